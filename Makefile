@@ -1,0 +1,31 @@
+# `make test` and `make demo` work on a fresh machine: they create .venv first.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+
+.PHONY: test demo lint bench clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e ".[test,examples,bench]"
+	touch $(STAMP)
+
+test: $(STAMP)
+	$(VENV)/bin/ruff check jaxdist tests benchmarks conftest.py
+	$(PY) -m pytest -q
+
+demo: $(STAMP)
+	$(PY) -m jaxdist.examples.train_mlp
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check jaxdist tests benchmarks conftest.py
+	$(VENV)/bin/ruff format --check jaxdist tests benchmarks
+
+bench: $(STAMP)
+	$(PY) benchmarks/dispatch.py
+	$(PY) benchmarks/train_step.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache *.egg-info

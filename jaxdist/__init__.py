@@ -1,0 +1,52 @@
+"""jaxdist: tf.distribute's programming model for JAX.
+
+Only the names re-exported here (and the ``jaxdist.experimental`` module) are
+public; every other module is internal.
+"""
+
+from jaxdist import experimental
+from jaxdist.context import (
+    ReplicaContext,
+    experimental_set_strategy,
+    get_replica_context,
+    get_strategy,
+    has_strategy,
+    in_cross_replica_context,
+)
+from jaxdist.options import RunOptions
+from jaxdist.reduce import (
+    CrossDeviceOps,
+    HierarchicalCopyAllReduce,
+    NcclAllReduce,
+    ReduceOp,
+    ReductionToOneDevice,
+)
+from jaxdist.strategies.mirrored import MirroredStrategy
+from jaxdist.strategies.one_device import OneDeviceStrategy
+from jaxdist.strategy import Strategy, StrategyExtended
+from jaxdist.values import DistributedValues, Mirrored, PerReplica
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CrossDeviceOps",
+    "DistributedValues",
+    "HierarchicalCopyAllReduce",
+    "Mirrored",
+    "MirroredStrategy",
+    "NcclAllReduce",
+    "OneDeviceStrategy",
+    "PerReplica",
+    "ReduceOp",
+    "ReductionToOneDevice",
+    "ReplicaContext",
+    "RunOptions",
+    "Strategy",
+    "StrategyExtended",
+    "experimental",
+    "experimental_set_strategy",
+    "get_replica_context",
+    "get_strategy",
+    "has_strategy",
+    "in_cross_replica_context",
+]

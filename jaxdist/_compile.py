@@ -1,0 +1,179 @@
+"""The run path: one `jax.jit` of one `jax.shard_map` per function and signature (private).
+
+`replicated_program(options)` returns a jitted callable
+``program(fn, strategy, args, kwargs)`` whose first two arguments are static.
+Tracing it flattens the arguments (distributed values at the leaves), maps
+`PerReplica` leaves over the replica axis and broadcasts the rest, traces
+``fn`` once inside `jax.shard_map`, and picks each output's spec from its
+varying-axes type: invariant outputs come back `Mirrored`, varying ones
+`PerReplica`. jit caches the result, so a second call with the same function
+and argument shapes costs one C++ dispatch.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import jax
+import numpy as np
+from jax import lax
+from jax.sharding import PartitionSpec as P
+
+from jaxdist._jax_compat import varying_axes
+from jaxdist.context import ReplicaContext, replica_scope
+from jaxdist.options import RunOptions
+from jaxdist.values import DistributedValues, Mirrored, PerReplica
+
+if TYPE_CHECKING:
+    from jaxdist.strategy import Strategy
+
+
+class _Static:
+    """A non-array output leaf carried through jit as pytree metadata.
+
+    Unflattening yields the bare value, so callers never see this wrapper.
+    """
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+
+jax.tree_util.register_pytree_node(_Static, lambda s: ((), s.value), lambda value, _: value)
+
+
+def path_str(path: Sequence[Any]) -> str:
+    """``args[0]['x']`` / ``kwargs['lr']`` for a key path into ``(args, kwargs)``."""
+    if not path:
+        return "args"
+    head, rest = path[0], path[1:]
+    root = "args" if getattr(head, "idx", 0) == 0 else "kwargs"
+    return root + jax.tree_util.keystr(tuple(rest))
+
+
+def _is_dv(x: Any) -> bool:
+    return isinstance(x, DistributedValues)
+
+
+_ARRAY_TYPES = (jax.Array, np.ndarray, np.generic, bool, int, float, complex)
+
+
+def describe_bad_leaf(strategy: Strategy, args: Any, kwargs: Any) -> TypeError | None:
+    """Finds the first argument leaf that is not an array (for a readable TypeError)."""
+    for path, leaf in jax.tree_util.tree_flatten_with_path((args, kwargs), is_leaf=_is_dv)[0]:
+        if not isinstance(leaf, (*_ARRAY_TYPES, DistributedValues)):
+            return TypeError(
+                f"{type(strategy).__name__}.run: {path_str(path)} is a {type(leaf).__name__} "
+                f"({leaf!r:.60}), not an array. Arguments of run must be pytrees of arrays or "
+                "Python numbers. Close over other objects (or bind them with functools.partial "
+                "outside the training loop, so the function keeps its identity)."
+            )
+    return None
+
+
+def _flatten_inputs(
+    strategy: Strategy, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[list[Any], list[P], list[bool], Any]:
+    name = type(strategy).__name__
+    n = strategy.num_replicas_in_sync
+    axis = strategy.axis_name
+    with_path, treedef = jax.tree_util.tree_flatten_with_path((args, kwargs), is_leaf=_is_dv)
+    flat, specs, per_replica = [], [], []
+    for path, leaf in with_path:
+        if isinstance(leaf, PerReplica):
+            arr = leaf.array
+            if arr.ndim == 0 or arr.shape[0] != n:
+                raise ValueError(
+                    f"{name}.run: {path_str(path)} is a PerReplica of shape {tuple(arr.shape)}, "
+                    f"but its leading (replica) axis must have size {n}, one row per replica "
+                    f"of mesh {dict(strategy.mesh.shape)}. Build it with "
+                    "strategy.experimental_distribute_values_from_function or from the "
+                    "PerReplica outputs of this strategy's run."
+                )
+            flat.append(arr)
+            specs.append(P(axis))
+            per_replica.append(True)
+        else:
+            flat.append(leaf.array if isinstance(leaf, Mirrored) else leaf)
+            specs.append(P())
+            per_replica.append(False)
+    return flat, specs, per_replica, treedef
+
+
+def _replicated(
+    fn: Callable[..., Any], strategy: Strategy, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Any:
+    axis = strategy.axis_name
+    flat, in_specs, per_replica, treedef = _flatten_inputs(strategy, args, kwargs)
+    out_specs: list[P] = []  # filled while fn is traced; shard_map reads it afterwards
+    out_meta: list[Any] = []
+
+    def body(*local: Any) -> list[Any]:
+        vals = []
+        for is_pr, x in zip(per_replica, local, strict=True):
+            if is_pr:
+                x = x[0]
+            elif axis not in varying_axes(x):
+                # Broadcast inputs become per-replica values, so jax.grad inside fn
+                # gives each replica its own gradient (as tf.distribute does) instead
+                # of one already summed over replicas.
+                x = lax.pcast(x, axis, to="varying")
+            vals.append(x)
+        a, k = jax.tree.unflatten(treedef, vals)
+        ctx = ReplicaContext(strategy)
+        with replica_scope(ctx):
+            try:
+                out = fn(ctx, *a, **k)
+            except jax.errors.ConcretizationTypeError as e:
+                e.add_note(
+                    f"jaxdist: {type(strategy).__name__}.run traces the replica function once for "
+                    "all replicas, so Python control flow cannot depend on per-replica values "
+                    "(such as ctx.replica_id_in_sync_group); every replica must return the same "
+                    "structure. Use jnp.where or jax.lax.cond instead."
+                )
+                raise
+        leaves, out_tree = jax.tree.flatten(out, is_leaf=_is_dv)
+        arrays = []
+        for leaf in leaves:
+            if isinstance(leaf, DistributedValues):
+                raise TypeError(
+                    f"{type(strategy).__name__}.run: the replica function returned a "
+                    f"{type(leaf).__name__}; return plain arrays, run wraps them."
+                )
+            if isinstance(leaf, (jax.Array, np.ndarray, np.generic)):
+                leaf = jax.numpy.asarray(leaf)
+                if axis in varying_axes(leaf):
+                    arrays.append(leaf[None])
+                    out_specs.append(P(axis))
+                    out_meta.append(PerReplica)
+                else:
+                    arrays.append(leaf)
+                    out_specs.append(P())
+                    out_meta.append(Mirrored)
+            else:
+                out_meta.append(_Static(leaf))
+        out_meta.append(out_tree)
+        return arrays
+
+    outs = jax.shard_map(body, mesh=strategy.mesh, in_specs=tuple(in_specs), out_specs=out_specs)(
+        *flat
+    )
+    *kinds, out_tree = out_meta
+    it = iter(outs)
+    wrapped = [k if isinstance(k, _Static) else k(next(it)) for k in kinds]
+    return jax.tree.unflatten(out_tree, wrapped)
+
+
+@functools.cache
+def replicated_program(options: RunOptions | None) -> Callable[..., Any]:
+    """The jitted ``program(fn, strategy, args, kwargs)`` for ``options``."""
+    opts = options or RunOptions()
+    jit_kwargs: dict[str, Any] = {"static_argnums": (0, 1)}
+    if opts.donate_args:
+        jit_kwargs["donate_argnums"] = (2, 3)
+    if opts.experimental_xla_options:
+        jit_kwargs["compiler_options"] = dict(opts.experimental_xla_options)
+    return jax.jit(_replicated, **jit_kwargs)

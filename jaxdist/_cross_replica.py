@@ -1,0 +1,99 @@
+"""Cross-replica reductions and gathers on global arrays (private).
+
+Each function takes one leaf (a `PerReplica`, a `Mirrored` or a plain
+value) and returns plain arrays. On concrete arrays they run as one cached
+`jax.jit` program over the sharded global array, so XLA moves the data; in a
+``merge_fn`` they run on the gathered tracers with no extra collective.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxdist.reduce import ReduceOp
+from jaxdist.values import Mirrored, PerReplica
+
+
+def _check_axis(where: str, axis: int | None, rank: int, shape: tuple[int, ...]) -> int | None:
+    if axis is None:
+        return None
+    if not isinstance(axis, int) or not -rank <= axis < rank:
+        raise ValueError(
+            f"{where}: axis={axis!r} is out of range for per-replica values of shape {shape} "
+            f"(rank {rank}); use an axis in [{-rank}, {rank}) or axis=None to reduce across "
+            "replicas only."
+        )
+    return axis % rank
+
+
+def _reduce(x: jax.Array, op: ReduceOp, axes: tuple[int, ...]) -> jax.Array:
+    if op is ReduceOp.SUM:
+        return jnp.sum(x, axis=axes)
+    if op is ReduceOp.MAX:
+        return jnp.max(x, axis=axes)
+    if op is ReduceOp.MIN:
+        return jnp.min(x, axis=axes)
+    return jnp.mean(x, axis=axes)
+
+
+@functools.partial(jax.jit, static_argnames=("op", "axes", "times"))
+def _reduce_jit(x: jax.Array, op: ReduceOp, axes: tuple[int, ...], times: int) -> jax.Array:
+    out = _reduce(x, op, axes)
+    return out * times if times != 1 else out
+
+
+def reduce_leaf(where: str, op: ReduceOp, leaf: Any, axis: int | None, num_replicas: int) -> Any:
+    """Reduces one leaf across replicas (and along ``axis`` of each replica's value)."""
+    if isinstance(leaf, PerReplica):
+        x = leaf.array
+        ax = _check_axis(where, axis, x.ndim - 1, tuple(x.shape[1:]))
+        axes = (0,) if ax is None else (0, ax + 1)
+        return _reduce_jit(x, op, axes, 1)
+    mirrored = isinstance(leaf, Mirrored)
+    x = leaf.array if mirrored else leaf
+    if not mirrored and op is ReduceOp.SUM and num_replicas > 1:
+        if not isinstance(x, jax.Array) and not np.any(np.asarray(x)):
+            return jnp.zeros_like(jnp.asarray(x)) if axis is None else jnp.sum(x, axis=axis)
+        raise ValueError(
+            f"{where}: cannot SUM-reduce a non-distributed value of type {type(x).__name__} "
+            f"across {num_replicas} replicas: it is not known to be on every replica. Return "
+            "it from strategy.run (a PerReplica or Mirrored value) or use MEAN."
+        )
+    x = jnp.asarray(x)
+    ax = _check_axis(where, axis, x.ndim, tuple(x.shape))
+    axes = () if ax is None else (ax,)
+    times = num_replicas if (mirrored and op is ReduceOp.SUM) else 1
+    return _reduce_jit(x, op, axes, times)
+
+
+@functools.partial(jax.jit, static_argnames=("axis",))
+def _gather_jit(x: jax.Array, axis: int) -> jax.Array:
+    moved = jnp.moveaxis(x, 0, axis)
+    shape = moved.shape
+    return moved.reshape((*shape[:axis], shape[axis] * shape[axis + 1], *shape[axis + 2 :]))
+
+
+def gather_leaf(where: str, leaf: Any, axis: int, num_replicas: int) -> Any:
+    """Concatenates every replica's value of one leaf along ``axis``."""
+    if isinstance(leaf, PerReplica):
+        x = leaf.array
+        rank = x.ndim - 1
+        if rank == 0:
+            raise ValueError(
+                f"{where}: per-replica values are scalars (shape {tuple(x.shape)}), which have "
+                "no axis to concatenate along; use strategy.experimental_local_results or "
+                "reduce instead."
+            )
+        ax = _check_axis(where, axis, rank, tuple(x.shape[1:]))
+        assert ax is not None
+        return _gather_jit(x, ax)
+    x = jnp.asarray(leaf.array if isinstance(leaf, Mirrored) else leaf)
+    if x.ndim == 0:
+        raise ValueError(f"{where}: cannot gather a scalar along axis {axis}.")
+    ax = _check_axis(where, axis, x.ndim, tuple(x.shape))
+    return jnp.concatenate([x] * num_replicas, axis=ax)

@@ -1,0 +1,42 @@
+"""The few JAX internals jaxdist reads, behind one function each (private).
+
+A JAX upgrade that renames one of these touches this file only.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+
+
+def varying_axes(x: Any) -> frozenset[str]:
+    """Mesh axes along which the traced value ``x`` may differ (empty: invariant)."""
+    aval = jax.typeof(x)
+    mat = getattr(aval, "manual_axis_type", None) or getattr(aval, "mat", None)
+    if mat is not None:
+        return frozenset(mat.varying)
+    return frozenset(getattr(aval, "vma", frozenset()))
+
+
+def is_tracer(x: Any) -> bool:
+    """True when ``x`` is an abstract value being traced (inside jit, grad, ...)."""
+    return isinstance(x, jax.core.Tracer)
+
+
+def all_gather_invariant(x: Any, axis_name: str) -> Any:
+    """Stacks every replica's ``x`` along a new leading axis; the result is invariant.
+
+    Uses JAX's own invariant all-gather when this JAX has it (not public API),
+    else an equivalent psum of a one-hot placement (more traffic, same result).
+    """
+    try:
+        from jax._src.lax.parallel import all_gather_invariant as _agi
+    except ImportError:  # pragma: no cover - depends on the JAX release
+        _agi = None
+    if _agi is not None:
+        return _agi(x, axis_name, axis=0, tiled=False)
+    n = jax.lax.axis_size(axis_name)
+    idx = jax.lax.axis_index(axis_name)
+    slot = jax.numpy.zeros((n, *jax.numpy.shape(x)), jax.numpy.result_type(x))
+    return jax.lax.psum(slot.at[idx].set(x), axis_name)

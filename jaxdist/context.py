@@ -1,0 +1,339 @@
+"""The replica context, and tf.distribute's compatibility shims over one `ContextVar`.
+
+A replicated function receives its `ReplicaContext` as its first argument:
+every collective it offers lowers to a `jax.lax` collective over the
+strategy's mesh axis. The shims (`get_strategy`, `get_replica_context`, ...)
+read a single immutable `_State` held in a `contextvars.ContextVar`; there is
+no other global state.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jaxdist._jax_compat import all_gather_invariant, is_tracer, varying_axes
+from jaxdist.reduce import ReduceOp
+from jaxdist.values import DistributedValues, Mirrored, PerReplica
+
+if TYPE_CHECKING:
+    from jaxdist.strategy import Strategy
+
+__all__ = [
+    "ReplicaContext",
+    "experimental_set_strategy",
+    "get_replica_context",
+    "get_strategy",
+    "has_strategy",
+    "in_cross_replica_context",
+]
+
+
+@dataclasses.dataclass(frozen=True)
+class _State:
+    strategy: Strategy | None = None
+    replica: ReplicaContext | None = None
+    merging: bool = False
+    scope_depth: int = 0
+
+
+_STATE: contextvars.ContextVar[_State] = contextvars.ContextVar("jaxdist_state", default=_State())  # noqa: B039 (frozen)
+
+
+def current_state() -> _State:
+    """The calling context's state (private)."""
+    return _STATE.get()
+
+
+@contextlib.contextmanager
+def _entered(state: _State) -> Iterator[None]:
+    token = _STATE.set(state)
+    try:
+        yield
+    finally:
+        _STATE.reset(token)
+
+
+def _mixing_error(where: str, current: Strategy, new: Strategy) -> RuntimeError:
+    return RuntimeError(
+        f"{where}: mixing different strategies is not allowed: {current!r} is already in "
+        f"effect and {new!r} was asked for. Leave the first strategy's scope (or call "
+        "jaxdist.experimental_set_strategy(None)) before using the second."
+    )
+
+
+@contextlib.contextmanager
+def strategy_scope(strategy: Strategy) -> Iterator[Strategy]:
+    """Implements `Strategy.scope()` (private; use the method)."""
+    state = _STATE.get()
+    if state.strategy is not None and state.strategy != strategy:
+        raise _mixing_error(f"{type(strategy).__name__}.scope()", state.strategy, strategy)
+    with _entered(dataclasses.replace(state, strategy=strategy, scope_depth=state.scope_depth + 1)):
+        yield strategy
+
+
+@contextlib.contextmanager
+def replica_scope(ctx: ReplicaContext) -> Iterator[None]:
+    """Marks the tracing of a replica function (private)."""
+    state = _STATE.get()
+    if state.strategy is not None and state.strategy != ctx.strategy and state.replica is None:
+        raise _mixing_error(f"{type(ctx.strategy).__name__}.run", state.strategy, ctx.strategy)
+    with _entered(dataclasses.replace(state, strategy=ctx.strategy, replica=ctx, merging=False)):
+        yield
+
+
+def check_cross_replica(strategy: Strategy, method: str) -> None:
+    """Raises `RuntimeError` when a cross-replica method is called from replica context."""
+    state = _STATE.get()
+    if state.replica is not None and not state.merging:
+        name = type(strategy).__name__
+        raise RuntimeError(
+            f"{name}.{method} was called inside a replica function, where only the replica "
+            f"context's collectives apply. Inside the function use ctx.all_reduce / "
+            f"ctx.all_gather, or call {name}.{method} on the function's outputs after run "
+            "returns (or from a merge_fn given to ctx.merge_call)."
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class ReplicaContext:
+    """The context a replica function receives as its first argument.
+
+    Inside `Strategy.run`, every method lowers to a `jax.lax` collective over
+    ``axis_name``. Gradients flow through all of them with the right
+    transpose (an all-reduce transposes to a broadcast, a tiled all-gather to
+    a reduce-scatter).
+
+    Attributes:
+        strategy: the strategy running the function.
+    """
+
+    strategy: Strategy
+    _bound: bool = True
+
+    @property
+    def axis_name(self) -> str:
+        """The mesh axis name that collectives reduce over."""
+        return self.strategy.axis_name
+
+    @property
+    def num_replicas_in_sync(self) -> int:
+        return self.strategy.num_replicas_in_sync
+
+    @property
+    def replica_id_in_sync_group(self) -> jax.Array:
+        """This replica's index in ``[0, num_replicas_in_sync)`` (a traced int32)."""
+        if not self._bound:
+            return jnp.int32(0)
+        return lax.axis_index(self.axis_name)
+
+    @property
+    def devices(self) -> tuple[jax.Device, ...]:
+        return self.strategy.extended.worker_devices
+
+    # Collectives -----------------------------------------------------------------
+
+    def all_reduce(self, reduce_op: ReduceOp | str, value: Any, options: Any = None) -> Any:
+        """Reduces every leaf of ``value`` across replicas; the result is the same on each.
+
+        The collectives used are those of the strategy's `CrossDeviceOps`.
+
+        Example:
+            >>> import jaxdist as jd
+            >>> s = jd.OneDeviceStrategy()
+            >>> float(s.run(lambda ctx: ctx.all_reduce("sum", 2.0)).array)
+            2.0
+        """
+        op = ReduceOp.from_any(reduce_op, where="ReplicaContext.all_reduce")
+        if not self._bound:
+            return value
+        return self.strategy.cross_device_ops.all_reduce(op, value, self.axis_name)
+
+    def all_gather(self, value: Any, axis: int, options: Any = None) -> Any:
+        """Concatenates every replica's ``value`` along ``axis`` (tiled), on every replica."""
+        if not self._bound:
+            return value
+        return jax.tree.map(
+            lambda x: lax.all_gather(x, self.axis_name, axis=axis, tiled=True), value
+        )
+
+    def reduce_scatter(self, reduce_op: ReduceOp | str, value: Any, axis: int = 0) -> Any:
+        """Reduces across replicas, leaving replica ``r`` the ``r``-th slice along ``axis``.
+
+        The size of ``axis`` must divide by the replica count. ``SUM`` and
+        ``MEAN`` only (XLA's reduce-scatter adds).
+        """
+        op = ReduceOp.from_any(reduce_op, where="ReplicaContext.reduce_scatter")
+        if op not in (ReduceOp.SUM, ReduceOp.MEAN):
+            raise ValueError(
+                f"ReplicaContext.reduce_scatter: reduce op {op.name} is not supported; XLA's "
+                "reduce-scatter sums. Use SUM or MEAN, or all_reduce then slice for MAX/MIN."
+            )
+        n = self.num_replicas_in_sync
+
+        def one(x: Any) -> Any:
+            x = jnp.asarray(x)
+            if x.ndim == 0 or x.shape[axis] % n:
+                raise ValueError(
+                    f"ReplicaContext.reduce_scatter: value of shape {x.shape} cannot be split "
+                    f"into {n} equal slices along axis {axis}; pad that axis to a multiple "
+                    f"of {n}."
+                )
+            if not self._bound:
+                return x
+            out = lax.psum_scatter(x, self.axis_name, scatter_dimension=axis, tiled=True)
+            return out / n if op is ReduceOp.MEAN else out
+
+        return jax.tree.map(one, value)
+
+    def broadcast(self, value: Any, source_replica: int = 0) -> Any:
+        """Every replica receives replica ``source_replica``'s ``value`` (a mirrored result)."""
+        n = self.num_replicas_in_sync
+        if not 0 <= source_replica < n:
+            raise ValueError(
+                f"ReplicaContext.broadcast: source_replica={source_replica} is outside "
+                f"[0, {n}) for {n} replicas."
+            )
+        if not self._bound:
+            return value
+        mine = lax.axis_index(self.axis_name) == source_replica
+
+        def one(x: Any) -> Any:
+            x = jnp.asarray(x)
+            kept = jnp.where(mine, x, jnp.zeros_like(x))
+            if x.dtype == jnp.bool_:
+                return lax.psum(kept.astype(jnp.int32), self.axis_name).astype(jnp.bool_)
+            return lax.psum(kept, self.axis_name)
+
+        return jax.tree.map(one, value)
+
+    def all_to_all(self, value: Any, split_axis: int, concat_axis: int) -> Any:
+        """Splits ``split_axis`` into N chunks, sends chunk ``r`` to replica ``r``,
+        and concatenates the received chunks along ``concat_axis``."""
+        if not self._bound:
+            return value
+        return jax.tree.map(
+            lambda x: lax.all_to_all(x, self.axis_name, split_axis, concat_axis, tiled=True),
+            value,
+        )
+
+    def ppermute(self, value: Any, perm: list[tuple[int, int]]) -> Any:
+        """Sends replica ``src``'s value to replica ``dst`` for each ``(src, dst)`` in ``perm``;
+        replicas that receive nothing get zeros (`jax.lax.ppermute`)."""
+        if not self._bound:
+            return value
+        return jax.tree.map(lambda x: lax.ppermute(x, self.axis_name, perm), value)
+
+    # merge_call ------------------------------------------------------------------
+
+    def merge_call(
+        self,
+        merge_fn: Callable[..., Any],
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        """Runs ``merge_fn(strategy, *args, **kwargs)`` once, in cross-replica context.
+
+        Arguments that differ between replicas reach ``merge_fn`` as `PerReplica`
+        values (gathered from every replica), the others as `Mirrored`.
+        Whatever ``merge_fn`` returns reaches every replica; a `PerReplica` it
+        returns gives each replica its own row.
+        """
+        if not callable(merge_fn):
+            raise TypeError(
+                f"ReplicaContext.merge_call: merge_fn must be callable, got "
+                f"{type(merge_fn).__name__}."
+            )
+        kwargs = {} if kwargs is None else kwargs
+        state = _STATE.get()
+        merged = dataclasses.replace(state, merging=True)
+        if not self._bound:
+            with _entered(merged):
+                return merge_fn(self.strategy, *args, **kwargs)
+        g_args, g_kwargs = jax.tree.map(self._gather_for_merge, (tuple(args), kwargs))
+        with _entered(merged):
+            result = merge_fn(self.strategy, *g_args, **g_kwargs)
+        return jax.tree.map(
+            self._scatter_from_merge,
+            result,
+            is_leaf=lambda x: isinstance(x, DistributedValues),
+        )
+
+    def _gather_for_merge(self, x: Any) -> Any:
+        if not (is_tracer(x) or isinstance(x, jax.Array)):
+            return x
+        if self.axis_name in varying_axes(x):
+            return PerReplica(all_gather_invariant(x, self.axis_name))
+        return Mirrored(x)
+
+    def _scatter_from_merge(self, x: Any) -> Any:
+        if isinstance(x, PerReplica):
+            return lax.dynamic_index_in_dim(
+                x.array, lax.axis_index(self.axis_name), axis=0, keepdims=False
+            )
+        if isinstance(x, Mirrored):
+            return x.array
+        return x
+
+
+# Compatibility shims -----------------------------------------------------------
+
+
+def _default_strategy() -> Strategy:
+    from jaxdist.strategies.default import default_strategy
+
+    return default_strategy()
+
+
+def get_strategy() -> Strategy:
+    """The strategy in effect: the innermost scope's, else the default strategy."""
+    state = _STATE.get()
+    return state.strategy if state.strategy is not None else _default_strategy()
+
+
+def has_strategy() -> bool:
+    """True inside a (non-default) strategy's scope or replica function."""
+    from jaxdist.strategies.default import DefaultStrategy
+
+    state = _STATE.get()
+    return state.strategy is not None and not isinstance(state.strategy, DefaultStrategy)
+
+
+def in_cross_replica_context() -> bool:
+    """True inside a strategy's scope but outside its replica functions (or in a merge_fn)."""
+    state = _STATE.get()
+    return state.strategy is not None and (state.replica is None or state.merging)
+
+
+def get_replica_context() -> ReplicaContext | None:
+    """The replica context while a replica function is traced; ``None`` in cross-replica
+    context; outside any strategy, the default strategy's (one replica) context."""
+    state = _STATE.get()
+    if state.replica is not None and not state.merging:
+        return state.replica
+    if state.strategy is None:
+        return ReplicaContext(_default_strategy(), _bound=False)
+    return None
+
+
+def experimental_set_strategy(strategy: Strategy | None) -> None:
+    """Sets (or, with ``None``, clears) the strategy of the current context, outside any scope.
+
+    Raises:
+        RuntimeError: inside a ``strategy.scope()`` or a replica function.
+    """
+    state = _STATE.get()
+    if state.scope_depth > 0 or state.replica is not None:
+        raise RuntimeError(
+            "jaxdist.experimental_set_strategy must be called outside any strategy scope and "
+            f"replica function; {state.strategy!r} is in effect. Leave the `with "
+            "strategy.scope():` block first."
+        )
+    _STATE.set(_State(strategy=strategy))

@@ -1,0 +1,1 @@
+"""Runnable examples: ``python -m jaxdist.examples.train_mlp``."""

@@ -1,0 +1,386 @@
+"""`Strategy` and `StrategyExtended`: a device mesh plus the rules for running on it.
+
+A strategy is an immutable, hashable value registered as a pytree with no
+leaves, so it can be compared, used as a dict key, and passed through
+`jax.jit` as a static argument. `run` compiles a replica function to
+`jax.shard_map` under `jax.jit` (see `jaxdist._compile`); the cross-replica
+methods work on the global arrays that `PerReplica` and `Mirrored` hold.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxdist import _dispatch
+from jaxdist._compile import describe_bad_leaf, replicated_program
+from jaxdist._cross_replica import gather_leaf, reduce_leaf
+from jaxdist._jax_compat import is_tracer
+from jaxdist.context import check_cross_replica, strategy_scope
+from jaxdist.options import RunOptions
+from jaxdist.reduce import CrossDeviceOps, NcclAllReduce, ReduceOp
+from jaxdist.values import DistributedValues, Mirrored, PerReplica, ValueContext
+
+__all__ = ["Strategy", "StrategyExtended"]
+
+AXIS_NAME = "replica"
+
+
+def _is_dv(x: Any) -> bool:
+    return isinstance(x, DistributedValues)
+
+
+class Strategy:
+    """Base class of all strategies: a mesh with one replica axis, and how to use it.
+
+    Subclasses fix the devices (`OneDeviceStrategy`, `MirroredStrategy`, ...);
+    the methods here are shared and pure: they never change the strategy.
+    """
+
+    __slots__ = ("_cross_device_ops", "_devices", "_gate", "_hash", "_mesh")
+    _devices: tuple[jax.Device, ...]
+    _mesh: Mesh
+    _cross_device_ops: CrossDeviceOps
+
+    def __init__(
+        self,
+        devices: Sequence[jax.Device],
+        cross_device_ops: CrossDeviceOps | None = None,
+    ) -> None:
+        where = f"{type(self).__name__}(cross_device_ops=...)"
+        if cross_device_ops is None:
+            cross_device_ops = NcclAllReduce()
+        elif not isinstance(cross_device_ops, CrossDeviceOps):
+            raise TypeError(
+                f"{where}: expected a jaxdist.CrossDeviceOps such as NcclAllReduce(), got "
+                f"{type(cross_device_ops).__name__}."
+            )
+        devices = tuple(devices)
+        mesh = Mesh(np.array(devices, dtype=object), (AXIS_NAME,), axis_types=(AxisType.Auto,))
+        object.__setattr__(self, "_devices", devices)
+        object.__setattr__(self, "_mesh", mesh)
+        object.__setattr__(self, "_cross_device_ops", cross_device_ops)
+        object.__setattr__(self, "_hash", hash((type(self), devices, cross_device_ops)))
+        object.__setattr__(self, "_gate", _dispatch.needs_gate(devices))
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        jax.tree_util.register_static(cls)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise dataclasses.FrozenInstanceError(f"{type(self).__name__} is immutable")
+
+    def __eq__(self, other: object) -> bool:
+        return (
+            type(self) is type(other)
+            and self._devices == other._devices  # type: ignore[attr-defined]
+            and self._cross_device_ops == other._cross_device_ops  # type: ignore[attr-defined]
+        )
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __repr__(self) -> str:
+        devs = ", ".join(f"{d.platform}:{d.id}" for d in self._devices)
+        return f"{type(self).__name__}(devices=[{devs}])"
+
+    # Properties ---------------------------------------------------------------------
+
+    @property
+    def mesh(self) -> Mesh:
+        """The `jax.sharding.Mesh` with the single replica axis ``axis_name``."""
+        return self._mesh
+
+    @property
+    def axis_name(self) -> str:
+        return AXIS_NAME
+
+    @property
+    def num_replicas_in_sync(self) -> int:
+        return len(self._devices)
+
+    @property
+    def cross_device_ops(self) -> CrossDeviceOps:
+        return self._cross_device_ops
+
+    @property
+    def extended(self) -> StrategyExtended:
+        return StrategyExtended(self)
+
+    @property
+    def cluster_resolver(self) -> Any:
+        """The cluster resolver of a multi-worker strategy; ``None`` for local ones."""
+        return None
+
+    def _name(self, method: str) -> str:
+        return f"{type(self).__name__}.{method}"
+
+    # Scope --------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def scope(self) -> Iterator[Strategy]:
+        """Makes this the strategy of `get_strategy()` inside the ``with`` block.
+
+        Re-entering the same strategy is fine; entering a different one raises
+        ``RuntimeError``.
+        """
+        with strategy_scope(self):
+            yield self
+
+    # Running --------------------------------------------------------------------------
+
+    def run(
+        self,
+        fn: Callable[..., Any],
+        args: Sequence[Any] = (),
+        kwargs: dict[str, Any] | None = None,
+        options: RunOptions | None = None,
+    ) -> Any:
+        """Calls ``fn(ctx, *args, **kwargs)`` once per replica and returns its outputs.
+
+        `PerReplica` arguments are unwrapped (replica ``r`` sees row ``r``); all
+        other arguments are broadcast to every replica. Outputs that are the same
+        on every replica (results of ``ctx.all_reduce``, constants) come back
+        `Mirrored`, the others `PerReplica`, at the leaves of ``fn``'s output.
+        Compiled once per function and argument signature.
+
+        Example:
+            >>> import jaxdist as jd
+            >>> s = jd.OneDeviceStrategy()
+            >>> out = s.run(lambda ctx, x: ctx.all_reduce("sum", x * 2), args=(3.0,))
+            >>> float(out.array)
+            6.0
+        """
+        if not callable(fn):
+            raise TypeError(
+                f"{self._name('run')}: fn must be callable, got {type(fn).__name__} "
+                f"({fn!r:.60}). Pass the replica function itself: "
+                "strategy.run(step, args=(...))."
+            )
+        check_cross_replica(self, "run")
+        if not isinstance(args, (tuple, list)):
+            raise TypeError(
+                f"{self._name('run')}: args must be a tuple or list of arguments, got "
+                f"{type(args).__name__}. For one argument write args=(x,)."
+            )
+        if kwargs is None:
+            kwargs = {}
+        elif not isinstance(kwargs, dict):
+            raise TypeError(f"{self._name('run')}: kwargs must be a dict, got {type(kwargs)}.")
+        if options is not None and not isinstance(options, RunOptions):
+            raise TypeError(f"{self._name('run')}: options must be a jaxdist.RunOptions.")
+        if self._gate:
+            _dispatch.wait_for_previous()
+        try:
+            out = replicated_program(options)(fn, self, tuple(args), kwargs)
+        except TypeError as e:
+            better = describe_bad_leaf(self, tuple(args), kwargs)
+            if better is not None:
+                raise better from e
+            raise
+        if self._gate:
+            _dispatch.record(out)
+        return out
+
+    def function(
+        self, fn: Callable[..., Any] | None = None, *, options: RunOptions | None = None
+    ) -> Any:
+        """Decorator: the reusable compiled form of `run`.
+
+        ``strategy.function(step)(*args, **kwargs)`` is
+        ``strategy.run(step, args, kwargs)``.
+        """
+        if fn is None:
+            return functools.partial(self.function, options=options)
+        if not callable(fn):
+            raise TypeError(f"{self._name('function')}: fn must be callable, got {type(fn)}.")
+
+        @functools.wraps(fn)
+        def replicated(*args: Any, **kwargs: Any) -> Any:
+            return self.run(fn, args, kwargs, options)
+
+        return replicated
+
+    # Cross-replica API ------------------------------------------------------------------
+
+    def _gated(self, thunk: Callable[[], Any]) -> Any:
+        if not self._gate:
+            return thunk()
+        _dispatch.wait_for_previous()
+        out = thunk()
+        _dispatch.record(out)
+        return out
+
+    def reduce(self, reduce_op: ReduceOp | str, value: Any, axis: int | None = None) -> Any:
+        """Reduces ``value`` across replicas (and along ``axis`` of each replica's value).
+
+        With ``axis`` and ``MEAN`` the result is element-weighted: the sum of all
+        elements over their total count. A non-distributed value is treated as
+        the same on every replica.
+
+        Example:
+            >>> import jax.numpy as jnp, jaxdist as jd
+            >>> s = jd.OneDeviceStrategy()
+            >>> float(s.reduce("mean", jd.PerReplica(jnp.array([[1.0, 2.0, 6.0]])), axis=0))
+            3.0
+        """
+        where = self._name("reduce")
+        check_cross_replica(self, "reduce")
+        op = ReduceOp.from_any(reduce_op, where=where)
+        n = self.num_replicas_in_sync
+        return self._gated(
+            lambda: jax.tree.map(
+                lambda leaf: reduce_leaf(where, op, leaf, axis, n), value, is_leaf=_is_dv
+            )
+        )
+
+    def gather(self, value: Any, axis: int) -> Any:
+        """Concatenates every replica's value along ``axis`` (cross-replica context)."""
+        where = self._name("gather")
+        check_cross_replica(self, "gather")
+        n = self.num_replicas_in_sync
+        return self._gated(
+            lambda: jax.tree.map(
+                lambda leaf: gather_leaf(where, leaf, axis, n), value, is_leaf=_is_dv
+            )
+        )
+
+    def experimental_local_results(self, value: Any) -> tuple[Any, ...]:
+        """This process's per-replica values of ``value``, one entry per local replica.
+
+        A non-distributed value gives ``(value,)``. For a pytree with distributed
+        leaves, each entry is a pytree of the same structure.
+        """
+        leaves, treedef = jax.tree.flatten(value, is_leaf=_is_dv)
+        if not any(isinstance(x, DistributedValues) for x in leaves):
+            return (value,)
+        n_local = len(self.extended.worker_devices)
+        columns = [x.values if isinstance(x, DistributedValues) else (x,) * n_local for x in leaves]
+        return tuple(jax.tree.unflatten(treedef, list(row)) for row in zip(*columns, strict=True))
+
+    def experimental_distribute_values_from_function(
+        self, value_fn: Callable[[ValueContext], Any]
+    ) -> Any:
+        """Builds `PerReplica` values from ``value_fn(ValueContext)``, called once per local
+        replica; each leaf becomes one global array placed row by row on its replica's device."""
+        where = self._name("experimental_distribute_values_from_function")
+        if not callable(value_fn):
+            raise TypeError(f"{where}: value_fn must be callable, got {type(value_fn)}.")
+        n = self.num_replicas_in_sync
+        me = jax.process_index()
+        local = [(r, d) for r, d in enumerate(self._devices) if d.process_index == me]
+        trees = [value_fn(ValueContext(r, n)) for r, _ in local]
+        flat = [jax.tree_util.tree_flatten_with_path(t) for t in trees]
+        treedef = flat[0][1]
+        for (r, _), (_, td) in zip(local, flat, strict=True):
+            if td != treedef:
+                raise ValueError(
+                    f"{where}: value_fn returned different structures for replica {local[0][0]} "
+                    f"({treedef}) and replica {r} ({td}); every replica must return the same "
+                    "pytree structure."
+                )
+        sharding = NamedSharding(self._mesh, P(self.axis_name))
+        out = []
+        for i, (path, _) in enumerate(flat[0][0]):
+            rows = [
+                np.asarray(f[0][i][1]) if not isinstance(f[0][i][1], jax.Array) else f[0][i][1]
+                for f in flat
+            ]
+            shapes = {(tuple(x.shape), x.dtype) for x in rows}
+            if len(shapes) != 1:
+                raise ValueError(
+                    f"{where}: leaf {jax.tree_util.keystr(path) or '<root>'} differs in shape or "
+                    f"dtype across replicas: {sorted(map(str, shapes))}. Per-replica values of "
+                    "one leaf must agree so they can form one global array."
+                )
+            pieces = [
+                jax.device_put(jax.numpy.asarray(x)[None], d)
+                for x, (_, d) in zip(rows, local, strict=True)
+            ]
+            shape = (n, *rows[0].shape)
+            out.append(
+                PerReplica(jax.make_array_from_single_device_arrays(shape, sharding, pieces))
+            )
+        return jax.tree.unflatten(treedef, out)
+
+    def experimental_distribute_dataset(self, dataset: Any, options: Any = None) -> Any:
+        raise NotImplementedError(
+            f"{self._name('experimental_distribute_dataset')}: distributed input is not part "
+            "of this release yet."
+        )
+
+    distribute_datasets_from_function = experimental_distribute_dataset
+
+
+class StrategyExtended:
+    """The lower-level API of a strategy (``strategy.extended``)."""
+
+    __slots__ = ("_strategy",)
+
+    def __init__(self, strategy: Strategy) -> None:
+        self._strategy = strategy
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, StrategyExtended) and other._strategy == self._strategy
+
+    def __hash__(self) -> int:
+        return hash((StrategyExtended, self._strategy))
+
+    @property
+    def worker_devices(self) -> tuple[jax.Device, ...]:
+        """This process's devices that run replicas."""
+        me = jax.process_index()
+        return tuple(d for d in self._strategy._devices if d.process_index == me)
+
+    @property
+    def parameter_devices(self) -> tuple[jax.Device, ...]:
+        """The devices that hold variables (every replica's device when mirrored)."""
+        return self.worker_devices
+
+    def _place(self, value: Any, destinations: Any) -> Any:
+        if isinstance(destinations, (jax.Device, str)):
+            from jaxdist.devices import resolve_device
+
+            dev = resolve_device(destinations, where="StrategyExtended.reduce_to")
+            return value if not isinstance(value, jax.Array) else jax.device_put(value, dev)
+        if isinstance(value, jax.Array) and not is_tracer(value) and not value.is_fully_replicated:
+            value = jax.device_put(value, NamedSharding(self._strategy.mesh, P()))
+        return Mirrored(value)
+
+    def reduce_to(self, reduce_op: ReduceOp | str, value: Any, destinations: Any) -> Any:
+        """Reduces ``value`` across replicas; the result is `Mirrored` over the strategy's
+        devices, or a plain array when ``destinations`` is one device."""
+        reduced = self._strategy.reduce(reduce_op, value)
+        return jax.tree.map(lambda x: self._place(x, destinations), reduced)
+
+    def batch_reduce_to(
+        self, reduce_op: ReduceOp | str, value_destination_pairs: Sequence[tuple[Any, Any]]
+    ) -> list[Any]:
+        """`reduce_to` for many ``(value, destinations)`` pairs, as one program."""
+        pairs = list(value_destination_pairs)
+        reduced = self._strategy.reduce(reduce_op, [v for v, _ in pairs])
+        return [
+            jax.tree.map(lambda x, d=d: self._place(x, d), r)
+            for r, (_, d) in zip(reduced, pairs, strict=True)
+        ]
+
+    def broadcast_to(self, tensor: Any, destinations: Any) -> Any:
+        """Copies ``tensor`` to every replica (`Mirrored`), or to one device."""
+        return jax.tree.map(lambda x: self._place(jax.numpy.asarray(x), destinations), tensor)
+
+    def call_for_each_replica(
+        self,
+        fn: Callable[..., Any],
+        args: Sequence[Any] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        """tf.distribute's name for `Strategy.run`."""
+        return self._strategy.run(fn, args, kwargs)

@@ -1,0 +1,124 @@
+"""Distributed values: one global array per value, never a list of per-device arrays.
+
+A `PerReplica` holds a global `jax.Array` whose leading axis is the replica
+axis (replica ``r`` owns row ``r``); a `Mirrored` holds one array replicated on
+every replica's device. Both are pytree nodes with that single array as their
+only leaf, so they pass through `jax.jit`, `jax.tree.map` and checkpointing
+like any other pytree, in one process or many.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import numpy as np
+
+__all__ = ["DistributedValues", "Mirrored", "PerReplica", "ValueContext"]
+
+
+class DistributedValues:
+    """Base class of values that live on every replica of a strategy.
+
+    Attributes:
+        array: the global array (a `jax.Array`, or a tracer inside a trace).
+    """
+
+    __slots__ = ("array",)
+    array: Any
+
+    def __init__(self, array: Any) -> None:
+        object.__setattr__(self, "array", array)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise dataclasses.FrozenInstanceError(f"{type(self).__name__} is immutable")
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.array.shape)
+
+    @property
+    def dtype(self) -> Any:
+        return self.array.dtype
+
+    @property
+    def values(self) -> tuple[Any, ...]:
+        """This process's per-replica components, in replica order (as in TF)."""
+        return self._local_components()
+
+    def _local_components(self) -> tuple[Any, ...]:
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.array!r})"
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        jax.tree_util.register_pytree_with_keys(
+            cls,
+            lambda v: (((jax.tree_util.GetAttrKey("array"), v.array),), None),
+            lambda _, children: cls(*children),
+            lambda v: ((v.array,), None),
+        )
+
+
+def _addressable_shards(array: Any) -> list[Any] | None:
+    return list(array.addressable_shards) if isinstance(array, jax.Array) else None
+
+
+class PerReplica(DistributedValues):
+    """A value that differs between replicas: row ``r`` of ``array`` is replica ``r``'s.
+
+    `Strategy.run` unwraps it, so replica ``r`` sees ``array[r]``; `run`
+    returns one for every output that varies across replicas.
+
+    Example:
+        >>> import jax.numpy as jnp, jaxdist as jd
+        >>> v = jd.PerReplica(jnp.array([1.0, 2.0]))
+        >>> [float(x) for x in v.values]
+        [1.0, 2.0]
+    """
+
+    __slots__ = ()
+
+    def _local_components(self) -> tuple[Any, ...]:
+        shards = _addressable_shards(self.array)
+        if shards is not None and self.array.ndim > 0:
+            rows = {s.index[0].indices(self.array.shape[0]) for s in shards}
+            if all(stop - start == 1 for start, stop, _ in rows) and len(rows) == len(shards):
+                ordered = sorted(shards, key=lambda s: s.index[0].indices(self.array.shape[0])[0])
+                return tuple(s.data[0] for s in ordered)
+            if len(shards) == 1 or self.array.is_fully_addressable:
+                return tuple(self.array[i] for i in range(self.array.shape[0]))
+            raise ValueError(
+                "PerReplica.values: the array is split across processes in a layout that is "
+                f"not one row per device (shape {self.shape}, sharding "
+                f"{self.array.sharding}); use Strategy.experimental_local_results instead."
+            )
+        arr = np.asarray(self.array) if shards is None else self.array
+        return tuple(arr[i] for i in range(arr.shape[0]))
+
+
+class Mirrored(DistributedValues):
+    """A value identical on every replica (for example the result of an all-reduce).
+
+    ``array`` is the value itself (no replica axis), replicated on each
+    replica's device.
+    """
+
+    __slots__ = ()
+
+    def _local_components(self) -> tuple[Any, ...]:
+        shards = _addressable_shards(self.array)
+        if shards is None:
+            return (self.array,)
+        return tuple(s.data for s in shards)
+
+
+@dataclasses.dataclass(frozen=True)
+class ValueContext:
+    """What `experimental_distribute_values_from_function` tells ``value_fn``."""
+
+    replica_id_in_sync_group: int = 0
+    num_replicas_in_sync: int = 1

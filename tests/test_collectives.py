@@ -1,0 +1,142 @@
+"""ReplicaContext collectives and merge_call against NumPy references (exact or rtol=1e-6)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxdist as jd
+
+REFS = {"sum": np.sum, "mean": np.mean, "max": np.max, "min": np.min}
+
+
+@pytest.mark.parametrize("op", ["sum", "MEAN", "Max", jd.ReduceOp.MIN])
+def test_all_reduce_ops_over_pytrees(strategy: jd.Strategy, op) -> None:
+    n = strategy.num_replicas_in_sync
+    rng = np.random.default_rng(1)
+    tree = {"a": rng.normal(size=(n, 3)).astype(np.float32), "b": rng.normal(size=(n,))}
+    tree["b"] = tree["b"].astype(np.float32)
+    out = strategy.run(
+        lambda ctx, t: ctx.all_reduce(op, t), args=(jax.tree.map(jd.PerReplica, tree),)
+    )
+    name = op.name.lower() if isinstance(op, jd.ReduceOp) else op.lower()
+    for k in tree:
+        assert isinstance(out[k], jd.Mirrored)
+        np.testing.assert_allclose(out[k].array, REFS[name](tree[k], axis=0), rtol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "ops",
+    [
+        jd.NcclAllReduce(),
+        jd.NcclAllReduce(num_packs=0),
+        jd.NcclAllReduce(num_packs=2),
+        jd.HierarchicalCopyAllReduce(),
+        jd.ReductionToOneDevice(),
+    ],
+)
+def test_cross_device_ops_agree(ops: jd.CrossDeviceOps) -> None:
+    s = jd.MirroredStrategy(cross_device_ops=ops)
+    rng = np.random.default_rng(2)
+    tree = [
+        rng.normal(size=(8, 5)).astype(np.float32),
+        rng.normal(size=(8, 2, 3)).astype(np.float32),
+        np.arange(8, dtype=np.int32),
+    ]
+    out = s.run(lambda ctx, t: ctx.all_reduce("sum", t), args=(jax.tree.map(jd.PerReplica, tree),))
+    for got, x in zip(out, tree, strict=True):
+        assert isinstance(got, jd.Mirrored)
+        np.testing.assert_allclose(got.array, x.sum(axis=0), rtol=1e-5)
+    assert out[2].dtype == jnp.int32
+
+
+def test_cross_device_ops_validation() -> None:
+    with pytest.raises(ValueError, match=r"NcclAllReduce\(num_packs=-1\)"):
+        jd.NcclAllReduce(num_packs=-1)
+    with pytest.raises(TypeError, match=r"expected a jaxdist.CrossDeviceOps"):
+        jd.MirroredStrategy(cross_device_ops="nccl")
+
+
+def test_unknown_reduce_op_raises(mirrored8: jd.MirroredStrategy) -> None:
+    with pytest.raises(ValueError, match=r"ReplicaContext.all_reduce: unknown reduce op 'prod'"):
+        mirrored8.run(lambda ctx: ctx.all_reduce("prod", 1.0))
+
+
+def test_all_gather_reduce_scatter_all_to_all(mirrored8: jd.MirroredStrategy) -> None:
+    x = np.arange(8 * 8 * 2, dtype=np.float32).reshape(8, 8, 2)  # replica r holds x[r] (8, 2)
+
+    def fn(ctx, v):
+        return (
+            ctx.all_gather(v, axis=1),
+            ctx.reduce_scatter("sum", v, axis=0),
+            ctx.reduce_scatter("mean", v, axis=0),
+            ctx.all_to_all(v, split_axis=0, concat_axis=0),
+        )
+
+    gathered, scattered, scattered_mean, a2a = mirrored8.run(fn, args=(jd.PerReplica(x),))
+    ref_gather = np.concatenate(list(x), axis=1)  # (8, 16)
+    for r in range(8):
+        np.testing.assert_allclose(gathered.array[r], ref_gather)
+        np.testing.assert_allclose(scattered.array[r], x.sum(0)[r : r + 1])
+        np.testing.assert_allclose(scattered_mean.array[r], x.mean(0)[r : r + 1], rtol=1e-6)
+        # replica r receives chunk r of every replica, in replica order
+        np.testing.assert_allclose(a2a.array[r], x[:, r, :])
+
+
+def test_reduce_scatter_errors(mirrored8: jd.MirroredStrategy) -> None:
+    with pytest.raises(ValueError, match=r"reduce_scatter: value of shape \(3,\) cannot be split"):
+        mirrored8.run(lambda ctx: ctx.reduce_scatter("sum", jnp.ones(3)))
+    with pytest.raises(ValueError, match=r"reduce_scatter: reduce op MAX is not supported"):
+        mirrored8.run(lambda ctx: ctx.reduce_scatter("max", jnp.ones(8)))
+
+
+def test_broadcast_and_ppermute(mirrored8: jd.MirroredStrategy) -> None:
+    x = np.arange(8, dtype=np.float32) * 10
+
+    def fn(ctx, v):
+        shifted = ctx.ppermute(v, [(i, (i + 1) % 8) for i in range(8)])
+        return ctx.broadcast(v, source_replica=3), shifted
+
+    b, shifted = mirrored8.run(fn, args=(jd.PerReplica(x),))
+    assert isinstance(b, jd.Mirrored)
+    np.testing.assert_allclose(b.array, 30.0)
+    np.testing.assert_allclose(shifted.array, np.roll(x, 1))
+    with pytest.raises(ValueError, match=r"source_replica=8 is outside \[0, 8\)"):
+        mirrored8.run(lambda ctx: ctx.broadcast(1.0, source_replica=8))
+
+
+def test_merge_call_gathers_and_returns_to_each_replica(strategy: jd.Strategy) -> None:
+    n = strategy.num_replicas_in_sync
+    x = np.arange(1, 2 * n + 1, dtype=np.float32).reshape(n, 2)
+    seen = {}
+
+    def merge_fn(s, per_replica, mirrored, scale):
+        seen["types"] = (type(per_replica), type(mirrored))
+        assert jd.in_cross_replica_context()
+        assert jd.get_replica_context() is None
+        total = s.reduce("sum", per_replica)
+        (reduced_to,) = s.extended.batch_reduce_to("max", [(per_replica, per_replica)])
+        gathered = s.gather(per_replica, axis=0)
+        return total * scale, reduced_to, gathered, jd.PerReplica(per_replica.array * 2)
+
+    def fn(ctx, v):
+        m = ctx.all_reduce("mean", v)
+        return ctx.merge_call(merge_fn, args=(v, m), kwargs={"scale": 2.0})
+
+    total, mx, gathered, doubled = strategy.run(fn, args=(jd.PerReplica(x),))
+    assert seen["types"] == (jd.PerReplica, jd.Mirrored)
+    np.testing.assert_allclose(total.array, 2 * x.sum(0))
+    np.testing.assert_allclose(mx.array, x.max(0))
+    np.testing.assert_allclose(gathered.array, x.reshape(-1))
+    assert isinstance(doubled, jd.PerReplica)  # each replica got its own row back
+    np.testing.assert_allclose(doubled.array, 2 * x)
+
+
+def test_default_replica_context_outside_run() -> None:
+    ctx = jd.get_replica_context()
+    assert ctx is not None and ctx.num_replicas_in_sync == 1
+    assert int(ctx.replica_id_in_sync_group) == 0
+    assert float(ctx.all_reduce("sum", 2.0)) == 2.0
+    assert ctx.merge_call(lambda s, v: v + 1, args=(1.0,)) == 2.0

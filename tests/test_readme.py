@@ -1,0 +1,30 @@
+"""The README's quickstart runs as written, and the demo trains."""
+
+from __future__ import annotations
+
+import pathlib
+import re
+
+import numpy as np
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def test_readme_quickstart_runs() -> None:
+    text = (ROOT / "README.md").read_text()
+    first = re.findall(r"```python\n(.*?)```", text, flags=re.S)[0]
+    scope: dict = {}
+    exec(compile(first, "README.md", "exec"), scope)
+    total, ids, strategy = scope["total"], scope["ids"], scope["strategy"]
+    n = strategy.num_replicas_in_sync
+    assert n == 8
+    np.testing.assert_allclose(total.array, 6.0 * n)
+    assert float(strategy.reduce("mean", ids, axis=None)) == (n - 1) / 2
+
+
+def test_demo_loss_falls() -> None:
+    from jaxdist.examples import train_mlp
+
+    first = train_mlp.main(steps=1)
+    last = train_mlp.main(steps=40)
+    assert last < first

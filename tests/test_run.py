@@ -1,0 +1,210 @@
+"""Strategy.run: unwrapping, broadcasting, output kinds, caching, gradients, errors.
+
+References are plain NumPy / single-device JAX; float tolerance rtol=1e-5
+unless stated.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxdist as jd
+
+
+def test_issue_example(mirrored8: jd.MirroredStrategy) -> None:
+    def replica_fn(ctx, x):
+        y = x * 2.0
+        return ctx.all_reduce(jd.ReduceOp.SUM, y), ctx.replica_id_in_sync_group
+
+    total, ids = mirrored8.run(replica_fn, args=(3.0,))
+    assert isinstance(total, jd.Mirrored)
+    assert isinstance(ids, jd.PerReplica)
+    np.testing.assert_allclose(total.array, 6.0 * 8)
+    assert [int(i) for i in mirrored8.experimental_local_results(ids)] == list(range(8))
+    assert float(mirrored8.reduce("mean", ids, axis=None)) == 3.5
+
+
+def test_per_replica_unwrapped_and_broadcast(strategy: jd.Strategy) -> None:
+    n = strategy.num_replicas_in_sync
+    x = np.arange(n * 3, dtype=np.float32).reshape(n, 3)
+    b = np.array([10.0, 20.0, 30.0], np.float32)
+    out = strategy.run(lambda ctx, x, b, c: x * c + b, args=(jd.PerReplica(x), b, 2.0))
+    assert isinstance(out, jd.PerReplica)
+    np.testing.assert_allclose(out.array, x * 2.0 + b)
+    for r, v in enumerate(strategy.experimental_local_results(out)):
+        np.testing.assert_allclose(v, x[r] * 2.0 + b)
+
+
+def test_output_structure_is_kept(strategy: jd.Strategy) -> None:
+    n = strategy.num_replicas_in_sync
+
+    def fn(ctx, tree):
+        s = ctx.all_reduce("sum", tree["a"])
+        return {"sum": s, "pair": (tree["a"] + 1, None), "n": ctx.num_replicas_in_sync}
+
+    a = np.arange(n, dtype=np.float32)
+    out = strategy.run(fn, args=({"a": jd.PerReplica(a)},))
+    assert set(out) == {"sum", "pair", "n"}
+    assert out["n"] == n  # Python values come back as they are
+    assert isinstance(out["sum"], jd.Mirrored)
+    np.testing.assert_allclose(out["sum"].array, a.sum())
+    assert isinstance(out["pair"][0], jd.PerReplica) and out["pair"][1] is None
+    np.testing.assert_allclose(out["pair"][0].array, a + 1)
+
+
+def test_kwargs_and_function_decorator(strategy: jd.Strategy) -> None:
+    n = strategy.num_replicas_in_sync
+
+    @strategy.function
+    def step(ctx, x, *, scale):
+        return ctx.all_reduce("mean", x * scale)
+
+    x = jd.PerReplica(np.arange(n, dtype=np.float32))
+    out = step(x, scale=3.0)
+    np.testing.assert_allclose(out.array, 3.0 * np.arange(n).mean())
+    assert step.__name__ == "step"
+
+
+def test_compiled_once_per_signature(mirrored8: jd.MirroredStrategy) -> None:
+    traces = []
+
+    def fn(ctx, x, lr):
+        traces.append(1)
+        return ctx.all_reduce("sum", x * lr)
+
+    x = jd.PerReplica(jnp.ones((8, 4)))
+    for lr in (0.1, 0.2, 0.3):  # a new Python number is a new value, not a new program
+        mirrored8.run(fn, args=(x, lr))
+    assert len(traces) == 1
+    mirrored8.run(fn, args=(jd.PerReplica(jnp.ones((8, 5))), 0.1))
+    assert len(traces) == 2  # a new shape is a new program
+
+
+def test_run_inside_user_jit(mirrored8: jd.MirroredStrategy) -> None:
+    def fn(ctx, x):
+        return ctx.all_reduce("sum", x), x * 2
+
+    @jax.jit
+    def outer(x):
+        total, doubled = mirrored8.run(fn, args=(jd.PerReplica(x),))
+        return total.array, doubled.array
+
+    x = jnp.arange(8.0)
+    total, doubled = outer(x)
+    np.testing.assert_allclose(total, 28.0)
+    np.testing.assert_allclose(doubled, np.arange(8.0) * 2)
+
+
+def _is_dv(x: object) -> bool:
+    return isinstance(x, jd.DistributedValues)
+
+
+def _mlp_loss(params, x, y):
+    h = jnp.tanh(x @ params["w1"])
+    return jnp.mean((h @ params["w2"] - y) ** 2)
+
+
+def test_grad_is_per_replica_and_mean_matches_single_device(strategy: jd.Strategy) -> None:
+    n = strategy.num_replicas_in_sync
+    rng = np.random.default_rng(0)
+    params = {
+        "w1": rng.normal(size=(5, 7)).astype(np.float32),
+        "w2": rng.normal(size=(7, 2)).astype(np.float32),
+    }
+    x = rng.normal(size=(4 * n, 5)).astype(np.float32)
+    y = rng.normal(size=(4 * n, 2)).astype(np.float32)
+
+    def step(ctx, params, x, y):
+        g = jax.grad(_mlp_loss)(params, x, y)
+        return g, ctx.all_reduce("mean", g)
+
+    xs = jd.PerReplica(x.reshape(n, 4, 5))
+    ys = jd.PerReplica(y.reshape(n, 4, 2))
+    local, mean = strategy.run(step, args=(params, xs, ys))
+    # Each replica's own gradient, not one already summed over replicas.
+    for r in range(n):
+        ref = jax.grad(_mlp_loss)(params, x[4 * r : 4 * r + 4], y[4 * r : 4 * r + 4])
+        got = jax.tree.map(lambda v, r=r: v.array[r], local, is_leaf=_is_dv)
+        jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), got, ref)
+    ref = jax.grad(_mlp_loss)(params, x, y)  # the global batch on one device
+    jax.tree.map(
+        lambda a, b: np.testing.assert_allclose(a.array, b, rtol=1e-5, atol=1e-6),
+        mean,
+        ref,
+        is_leaf=_is_dv,
+    )
+
+
+def test_grad_through_all_reduce_and_all_gather(mirrored8: jd.MirroredStrategy) -> None:
+    c = np.arange(1.0, 9.0, dtype=np.float32)
+
+    def fn(ctx, x, c):
+        # d/dx_r of sum(c * psum(x)) is sum(c) on every replica.
+        g_sum = jax.grad(lambda x: jnp.sum(ctx.all_reduce("sum", x) * c))(x)
+        # d/dx_r of sum(w * all_gather(x)) is the sum over replicas of their w slice at r.
+        w = c * (ctx.replica_id_in_sync_group + 1)
+        g_gather = jax.grad(lambda x: jnp.sum(ctx.all_gather(x, axis=0) * w))(x)
+        return g_sum, g_gather
+
+    x = jd.PerReplica(jnp.ones((8, 1)))
+    g_sum, g_gather = mirrored8.run(fn, args=(x, c))
+    # every replica's cotangent is sum(c): the transpose of psum sums them.
+    np.testing.assert_allclose(g_sum.array, np.full((8, 1), 8 * c.sum()))
+    # replica r contributes c[i] * (r + 1) to x_i's cotangent: sum_r (r + 1) = 36.
+    np.testing.assert_allclose(g_gather.array[:, 0], 36.0 * c)
+
+
+def test_python_control_flow_on_replica_id_explains(mirrored8: jd.MirroredStrategy) -> None:
+    def fn(ctx):
+        if ctx.replica_id_in_sync_group == 0:
+            return jnp.ones(2)
+        return jnp.ones(3)
+
+    with pytest.raises(jax.errors.ConcretizationTypeError) as info:
+        mirrored8.run(fn)
+    assert "same structure" in "\n".join(info.value.__notes__)
+
+
+def test_run_errors(mirrored8: jd.MirroredStrategy) -> None:
+    with pytest.raises(TypeError, match=r"MirroredStrategy.run: fn must be callable, got int"):
+        mirrored8.run(3)
+    with pytest.raises(TypeError, match=r"args=\(x,\)"):
+        mirrored8.run(lambda ctx, x: x, args=jnp.ones(3))
+    bad = jd.PerReplica(jnp.ones((4, 3)))
+    with pytest.raises(
+        ValueError,
+        match=r"MirroredStrategy.run: args\[1\]\['x'\] is a PerReplica of shape \(4, 3\), but "
+        r"its leading \(replica\) axis must have size 8",
+    ):
+        mirrored8.run(lambda ctx, a, t: t["x"], args=(1.0, {"x": bad}))
+    with pytest.raises(TypeError, match=r"kwargs\['name'\] is a str \('hello'\), not an array"):
+        mirrored8.run(lambda ctx, name: 1.0, kwargs={"name": "hello"})
+
+
+def test_cross_replica_methods_rejected_inside_replica_fn(mirrored8: jd.MirroredStrategy) -> None:
+    def calls_run(ctx, x):
+        return mirrored8.run(lambda c, y: y, args=(x,))
+
+    with pytest.raises(RuntimeError, match=r"MirroredStrategy.run was called inside a replica"):
+        mirrored8.run(calls_run, args=(1.0,))
+
+    def calls_reduce(ctx, x):
+        return mirrored8.reduce("sum", x)
+
+    with pytest.raises(RuntimeError, match=r"MirroredStrategy.reduce was called inside a replica"):
+        mirrored8.run(calls_reduce, args=(1.0,))
+
+
+def test_run_options(mirrored8: jd.MirroredStrategy) -> None:
+    opts = jd.RunOptions(
+        donate_args=True, experimental_xla_options={"xla_cpu_enable_fast_math": False}
+    )
+    x = mirrored8.run(lambda ctx, i: i + 0.0, args=(jd.PerReplica(jnp.arange(8.0)),))
+    out = mirrored8.run(lambda ctx, x: x + 1, args=(x,), options=opts)
+    np.testing.assert_allclose(out.array, np.arange(8.0) + 1)
+    assert x.array.is_deleted()  # donated
+    with pytest.raises(TypeError, match="must be a mapping"):
+        jd.RunOptions(experimental_xla_options=3)

@@ -4,7 +4,7 @@ Only the names re-exported here (and the ``jaxdist.experimental`` module) are
 public; every other module is internal.
 """
 
-from jaxdist import experimental
+from jaxdist import checkpoint, experimental
 from jaxdist.context import (
     ReplicaContext,
     experimental_set_strategy,
@@ -21,14 +21,17 @@ from jaxdist.reduce import (
     ReduceOp,
     ReductionToOneDevice,
 )
+from jaxdist.strategies.central_storage import CentralStorageStrategy
 from jaxdist.strategies.mirrored import MirroredStrategy
 from jaxdist.strategies.one_device import OneDeviceStrategy
 from jaxdist.strategy import Strategy, StrategyExtended
 from jaxdist.values import DistributedValues, Mirrored, PerReplica
+from jaxdist.variables import Variable, VariableAggregation, VariableSynchronization
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "CentralStorageStrategy",
     "CrossDeviceOps",
     "DistributedValues",
     "HierarchicalCopyAllReduce",
@@ -43,6 +46,10 @@ __all__ = [
     "RunOptions",
     "Strategy",
     "StrategyExtended",
+    "Variable",
+    "VariableAggregation",
+    "VariableSynchronization",
+    "checkpoint",
     "experimental",
     "experimental_set_strategy",
     "get_replica_context",

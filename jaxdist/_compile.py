@@ -12,6 +12,7 @@ and argument shapes costs one C++ dispatch.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -22,9 +23,11 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from jaxdist._jax_compat import varying_axes
+from jaxdist._replica_updates import mirror_of, register_mirror
 from jaxdist.context import ReplicaContext, replica_scope
 from jaxdist.options import RunOptions
 from jaxdist.values import DistributedValues, Mirrored, PerReplica
+from jaxdist.variables import Variable, is_distributed
 
 if TYPE_CHECKING:
     from jaxdist.strategy import Strategy
@@ -54,17 +57,18 @@ def path_str(path: Sequence[Any]) -> str:
     return root + jax.tree_util.keystr(tuple(rest))
 
 
-def _is_dv(x: Any) -> bool:
-    return isinstance(x, DistributedValues)
-
-
 _ARRAY_TYPES = (jax.Array, np.ndarray, np.generic, bool, int, float, complex)
+
+# How an input leaf enters the replica function.
+_PER_REPLICA, _BROADCAST, _ON_READ, _ON_WRITE = range(4)
 
 
 def describe_bad_leaf(strategy: Strategy, args: Any, kwargs: Any) -> TypeError | None:
     """Finds the first argument leaf that is not an array (for a readable TypeError)."""
-    for path, leaf in jax.tree_util.tree_flatten_with_path((args, kwargs), is_leaf=_is_dv)[0]:
-        if not isinstance(leaf, (*_ARRAY_TYPES, DistributedValues)):
+    for path, leaf in jax.tree_util.tree_flatten_with_path((args, kwargs), is_leaf=is_distributed)[
+        0
+    ]:
+        if not isinstance(leaf, (*_ARRAY_TYPES, DistributedValues, Variable)):
             return TypeError(
                 f"{type(strategy).__name__}.run: {path_str(path)} is a {type(leaf).__name__} "
                 f"({leaf!r:.60}), not an array. Arguments of run must be pytrees of arrays or "
@@ -74,56 +78,113 @@ def describe_bad_leaf(strategy: Strategy, args: Any, kwargs: Any) -> TypeError |
     return None
 
 
+def _replica_axis_error(strategy: Strategy, path: Any, what: str, shape: Any) -> ValueError:
+    n = strategy.num_replicas_in_sync
+    return ValueError(
+        f"{type(strategy).__name__}.run: {path_str(path)} is {what} of shape {tuple(shape)}, "
+        f"but its leading (replica) axis must have size {n}, one row per replica of mesh "
+        f"{dict(strategy.mesh.shape)}. Build it with "
+        "strategy.experimental_distribute_values_from_function, from this strategy's run "
+        "outputs, or (for variables) inside this strategy's scope."
+    )
+
+
 def _flatten_inputs(
     strategy: Strategy, args: tuple[Any, ...], kwargs: dict[str, Any]
-) -> tuple[list[Any], list[P], list[bool], Any]:
-    name = type(strategy).__name__
+) -> tuple[list[Any], list[P], list[tuple[int, Any]], Any]:
     n = strategy.num_replicas_in_sync
     axis = strategy.axis_name
-    with_path, treedef = jax.tree_util.tree_flatten_with_path((args, kwargs), is_leaf=_is_dv)
-    flat, specs, per_replica = [], [], []
+    with_path, treedef = jax.tree_util.tree_flatten_with_path(
+        (args, kwargs), is_leaf=is_distributed
+    )
+    flat, specs, kinds = [], [], []
     for path, leaf in with_path:
-        if isinstance(leaf, PerReplica):
+        if isinstance(leaf, Variable):
+            arr = leaf._stored
+            if leaf.is_on_read:
+                if arr.ndim == 0 or arr.shape[0] != n:
+                    raise _replica_axis_error(strategy, path, "an ON_READ Variable", arr.shape)
+                flat.append(arr)
+                specs.append(P(axis))
+                kinds.append((_ON_READ, leaf._meta))
+            else:
+                flat.append(arr)
+                specs.append(P())
+                kinds.append((_ON_WRITE, leaf._meta))
+        elif isinstance(leaf, PerReplica):
             arr = leaf.array
             if arr.ndim == 0 or arr.shape[0] != n:
-                raise ValueError(
-                    f"{name}.run: {path_str(path)} is a PerReplica of shape {tuple(arr.shape)}, "
-                    f"but its leading (replica) axis must have size {n}, one row per replica "
-                    f"of mesh {dict(strategy.mesh.shape)}. Build it with "
-                    "strategy.experimental_distribute_values_from_function or from the "
-                    "PerReplica outputs of this strategy's run."
-                )
+                raise _replica_axis_error(strategy, path, "a PerReplica", arr.shape)
             flat.append(arr)
             specs.append(P(axis))
-            per_replica.append(True)
+            kinds.append((_PER_REPLICA, None))
         else:
             flat.append(leaf.array if isinstance(leaf, Mirrored) else leaf)
             specs.append(P())
-            per_replica.append(False)
-    return flat, specs, per_replica, treedef
+            kinds.append((_BROADCAST, None))
+    return flat, specs, kinds, treedef
+
+
+def _enter(ctx: ReplicaContext, kind: int, meta: Any, x: Any) -> Any:
+    axis = ctx.axis_name
+    if kind == _PER_REPLICA:
+        return x[0]
+    if kind == _ON_READ:
+        return Variable._make(x[0], dataclasses.replace(meta, local=True))
+    if kind == _ON_WRITE:
+        return Variable._make(register_mirror(ctx, x), dataclasses.replace(meta, local=True))
+    if axis in varying_axes(x):
+        return x
+    # Broadcast inputs become per-replica values, so jax.grad inside fn gives each
+    # replica its own gradient (as tf.distribute does) instead of one already summed
+    # over replicas.
+    return lax.pcast(x, axis, to="varying")
+
+
+def _exit(ctx: ReplicaContext, leaf: Any, specs: list[P], meta: list[Any]) -> Any:
+    """Returns the array to hand out of shard_map for one output leaf (or None)."""
+    axis = ctx.axis_name
+    if isinstance(leaf, Variable):
+        out_meta = dataclasses.replace(leaf._meta, local=False)
+        if leaf.is_on_read:
+            x = leaf._stored
+            if axis not in varying_axes(x):
+                x = lax.pcast(x, axis, to="varying")
+            specs.append(P(axis))
+            meta.append(functools.partial(Variable._make, meta=out_meta))
+            return x[None]
+        specs.append(P())
+        meta.append(functools.partial(Variable._make, meta=out_meta))
+        return mirror_of(ctx, leaf, f"{type(ctx.strategy).__name__}.run")
+    if isinstance(leaf, DistributedValues):
+        raise TypeError(
+            f"{type(ctx.strategy).__name__}.run: the replica function returned a "
+            f"{type(leaf).__name__}; return plain arrays, run wraps them."
+        )
+    if isinstance(leaf, (jax.Array, np.ndarray, np.generic)):
+        leaf = jax.numpy.asarray(leaf)
+        if axis in varying_axes(leaf):
+            specs.append(P(axis))
+            meta.append(PerReplica)
+            return leaf[None]
+        specs.append(P())
+        meta.append(Mirrored)
+        return leaf
+    meta.append(_Static(leaf))
+    return None
 
 
 def _replicated(
     fn: Callable[..., Any], strategy: Strategy, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> Any:
-    axis = strategy.axis_name
-    flat, in_specs, per_replica, treedef = _flatten_inputs(strategy, args, kwargs)
+    flat, in_specs, kinds, treedef = _flatten_inputs(strategy, args, kwargs)
     out_specs: list[P] = []  # filled while fn is traced; shard_map reads it afterwards
     out_meta: list[Any] = []
 
     def body(*local: Any) -> list[Any]:
-        vals = []
-        for is_pr, x in zip(per_replica, local, strict=True):
-            if is_pr:
-                x = x[0]
-            elif axis not in varying_axes(x):
-                # Broadcast inputs become per-replica values, so jax.grad inside fn
-                # gives each replica its own gradient (as tf.distribute does) instead
-                # of one already summed over replicas.
-                x = lax.pcast(x, axis, to="varying")
-            vals.append(x)
-        a, k = jax.tree.unflatten(treedef, vals)
         ctx = ReplicaContext(strategy)
+        vals = [_enter(ctx, k, m, x) for (k, m), x in zip(kinds, local, strict=True)]
+        a, k = jax.tree.unflatten(treedef, vals)
         with replica_scope(ctx):
             try:
                 out = fn(ctx, *a, **k)
@@ -135,35 +196,17 @@ def _replicated(
                     "structure. Use jnp.where or jax.lax.cond instead."
                 )
                 raise
-        leaves, out_tree = jax.tree.flatten(out, is_leaf=_is_dv)
-        arrays = []
-        for leaf in leaves:
-            if isinstance(leaf, DistributedValues):
-                raise TypeError(
-                    f"{type(strategy).__name__}.run: the replica function returned a "
-                    f"{type(leaf).__name__}; return plain arrays, run wraps them."
-                )
-            if isinstance(leaf, (jax.Array, np.ndarray, np.generic)):
-                leaf = jax.numpy.asarray(leaf)
-                if axis in varying_axes(leaf):
-                    arrays.append(leaf[None])
-                    out_specs.append(P(axis))
-                    out_meta.append(PerReplica)
-                else:
-                    arrays.append(leaf)
-                    out_specs.append(P())
-                    out_meta.append(Mirrored)
-            else:
-                out_meta.append(_Static(leaf))
+            leaves, out_tree = jax.tree.flatten(out, is_leaf=is_distributed)
+            arrays = [_exit(ctx, leaf, out_specs, out_meta) for leaf in leaves]
         out_meta.append(out_tree)
-        return arrays
+        return [a for a in arrays if a is not None]
 
     outs = jax.shard_map(body, mesh=strategy.mesh, in_specs=tuple(in_specs), out_specs=out_specs)(
         *flat
     )
-    *kinds, out_tree = out_meta
+    *makers, out_tree = out_meta
     it = iter(outs)
-    wrapped = [k if isinstance(k, _Static) else k(next(it)) for k in kinds]
+    wrapped = [m if isinstance(m, _Static) else m(next(it)) for m in makers]
     return jax.tree.unflatten(out_tree, wrapped)
 
 

@@ -117,6 +117,11 @@ class ReplicaContext:
 
     strategy: Strategy
     _bound: bool = True
+    # id(per-replica view) -> (view, invariant value) of ON_WRITE variable inputs;
+    # filled while the replica function is traced (see jaxdist._replica_updates).
+    _mirrors: dict[int, tuple[Any, Any]] = dataclasses.field(
+        default_factory=dict, compare=False, hash=False, repr=False
+    )
 
     @property
     def axis_name(self) -> str:
@@ -230,6 +235,32 @@ class ReplicaContext:
         if not self._bound:
             return value
         return jax.tree.map(lambda x: lax.ppermute(x, self.axis_name, perm), value)
+
+    # Variable updates --------------------------------------------------------------
+
+    def assign(self, variable: Any, value: Any) -> Any:
+        """Returns ``variable`` set to ``value``.
+
+        ``ON_WRITE``: the per-replica values are aggregated as the variable's
+        aggregation says (``MEAN`` averages, ``SUM`` adds, ``ONLY_FIRST_REPLICA``
+        takes replica 0's, ``NONE`` requires a value identical on every replica),
+        so the variable stays mirrored. ``ON_READ``: this replica's copy only.
+        """
+        from jaxdist._replica_updates import replica_update
+
+        return replica_update(self, variable, "assign", value)
+
+    def assign_add(self, variable: Any, delta: Any) -> Any:
+        """Returns ``variable + delta``, with ``delta`` aggregated as in `assign`."""
+        from jaxdist._replica_updates import replica_update
+
+        return replica_update(self, variable, "assign_add", delta)
+
+    def assign_sub(self, variable: Any, delta: Any) -> Any:
+        """Returns ``variable - delta``, with ``delta`` aggregated as in `assign`."""
+        from jaxdist._replica_updates import replica_update
+
+        return replica_update(self, variable, "assign_sub", delta)
 
     # merge_call ------------------------------------------------------------------
 

@@ -25,17 +25,50 @@ from jaxdist._compile import describe_bad_leaf, replicated_program
 from jaxdist._cross_replica import gather_leaf, reduce_leaf
 from jaxdist._jax_compat import is_tracer
 from jaxdist.context import check_cross_replica, strategy_scope
+from jaxdist.extended import StrategyExtended
 from jaxdist.options import RunOptions
 from jaxdist.reduce import CrossDeviceOps, NcclAllReduce, ReduceOp
 from jaxdist.values import DistributedValues, Mirrored, PerReplica, ValueContext
+from jaxdist.variables import Variable, as_distributed, is_distributed
 
-__all__ = ["Strategy", "StrategyExtended"]
+__all__ = ["Strategy"]
 
 AXIS_NAME = "replica"
 
 
-def _is_dv(x: Any) -> bool:
-    return isinstance(x, DistributedValues)
+def _onto_mesh(strategy: Strategy, tree: Any) -> Any:
+    """Re-places committed arrays of ``tree`` that live outside ``strategy``'s mesh."""
+    mesh = strategy.mesh
+    devices = set(mesh.devices.flat)
+    replicated = NamedSharding(mesh, P())
+    per_replica = NamedSharding(mesh, P(strategy.axis_name))
+
+    def place(x: Any, sharding: NamedSharding) -> Any:
+        if isinstance(x, jax.Array) and not is_tracer(x) and x.sharding.device_set != devices:
+            return jax.device_put(x, sharding)
+        return x
+
+    def leaf(x: Any) -> Any:
+        if isinstance(x, Variable):
+            return x._with(place(x._stored, per_replica if x._per_replica_storage else replicated))
+        if isinstance(x, PerReplica):
+            return PerReplica(place(x.array, per_replica))
+        if isinstance(x, Mirrored):
+            return Mirrored(place(x.array, replicated))
+        return place(x, replicated)
+
+    return jax.tree.map(leaf, tree, is_leaf=is_distributed)
+
+
+def _variables_to(sharding: jax.sharding.Sharding, tree: Any) -> Any:
+    """Moves the ON_WRITE variables of ``tree`` to ``sharding`` (central storage)."""
+
+    def move(v: Any) -> Any:
+        if isinstance(v, Variable) and not v.is_on_read and not is_tracer(v._stored):
+            return v._with(jax.device_put(v._stored, sharding))
+        return v
+
+    return jax.tree.map(move, tree, is_leaf=is_distributed)
 
 
 class Strategy:
@@ -45,7 +78,7 @@ class Strategy:
     the methods here are shared and pure: they never change the strategy.
     """
 
-    __slots__ = ("_cross_device_ops", "_devices", "_gate", "_hash", "_mesh")
+    __slots__ = ("_cross_device_ops", "_devices", "_gate", "_key", "_mesh")
     _devices: tuple[jax.Device, ...]
     _mesh: Mesh
     _cross_device_ops: CrossDeviceOps
@@ -68,7 +101,9 @@ class Strategy:
         object.__setattr__(self, "_devices", devices)
         object.__setattr__(self, "_mesh", mesh)
         object.__setattr__(self, "_cross_device_ops", cross_device_ops)
-        object.__setattr__(self, "_hash", hash((type(self), devices, cross_device_ops)))
+        object.__setattr__(
+            self, "_key", (type(self), devices, cross_device_ops, *self._extra_key())
+        )
         object.__setattr__(self, "_gate", _dispatch.needs_gate(devices))
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
@@ -78,15 +113,15 @@ class Strategy:
     def __setattr__(self, name: str, value: Any) -> None:
         raise dataclasses.FrozenInstanceError(f"{type(self).__name__} is immutable")
 
+    def _extra_key(self) -> tuple[Any, ...]:
+        """Fields beyond devices and cross-device ops that tell two strategies apart."""
+        return ()
+
     def __eq__(self, other: object) -> bool:
-        return (
-            type(self) is type(other)
-            and self._devices == other._devices  # type: ignore[attr-defined]
-            and self._cross_device_ops == other._cross_device_ops  # type: ignore[attr-defined]
-        )
+        return isinstance(other, Strategy) and self._key == other._key
 
     def __hash__(self) -> int:
-        return self._hash
+        return hash(self._key)
 
     def __repr__(self) -> str:
         devs = ", ".join(f"{d.platform}:{d.id}" for d in self._devices)
@@ -114,6 +149,12 @@ class Strategy:
     @property
     def extended(self) -> StrategyExtended:
         return StrategyExtended(self)
+
+    @property
+    def parameter_device(self) -> jax.Device | None:
+        """The one device holding mirrored variables, or ``None`` when they are
+        replicated on every replica's device."""
+        return None
 
     @property
     def cluster_resolver(self) -> Any:
@@ -177,18 +218,34 @@ class Strategy:
             raise TypeError(f"{self._name('run')}: kwargs must be a dict, got {type(kwargs)}.")
         if options is not None and not isinstance(options, RunOptions):
             raise TypeError(f"{self._name('run')}: options must be a jaxdist.RunOptions.")
+        args = tuple(args)
+        if self.parameter_device is not None:
+            args, kwargs = _variables_to(self._mesh_replicated(), (args, kwargs))
         if self._gate:
             _dispatch.wait_for_previous()
+        program = replicated_program(options)
         try:
-            out = replicated_program(options)(fn, self, tuple(args), kwargs)
+            out = program(fn, self, args, kwargs)
         except TypeError as e:
             better = describe_bad_leaf(self, tuple(args), kwargs)
             if better is not None:
                 raise better from e
             raise
+        except ValueError as e:
+            if "incompatible devices" not in str(e):
+                raise
+            # Some argument is committed to devices outside this strategy's mesh (for
+            # example one replica's local result): place it on the mesh and retry.
+            args, kwargs = _onto_mesh(self, (args, kwargs))
+            out = program(fn, self, args, kwargs)
         if self._gate:
             _dispatch.record(out)
+        if self.parameter_device is not None:
+            out = _variables_to(jax.sharding.SingleDeviceSharding(self.parameter_device), out)
         return out
+
+    def _mesh_replicated(self) -> NamedSharding:
+        return NamedSharding(self._mesh, P())
 
     def function(
         self, fn: Callable[..., Any] | None = None, *, options: RunOptions | None = None
@@ -207,6 +264,11 @@ class Strategy:
         def replicated(*args: Any, **kwargs: Any) -> Any:
             return self.run(fn, args, kwargs, options)
 
+        def lower(*args: Any, **kwargs: Any) -> Any:
+            """The `jax.stages.Lowered` program for these arguments (inspect HLO, cost)."""
+            return replicated_program(options).lower(fn, self, args, kwargs)
+
+        replicated.lower = lower  # type: ignore[attr-defined]
         return replicated
 
     # Cross-replica API ------------------------------------------------------------------
@@ -238,7 +300,9 @@ class Strategy:
         n = self.num_replicas_in_sync
         return self._gated(
             lambda: jax.tree.map(
-                lambda leaf: reduce_leaf(where, op, leaf, axis, n), value, is_leaf=_is_dv
+                lambda leaf: reduce_leaf(where, op, as_distributed(leaf), axis, n),
+                value,
+                is_leaf=is_distributed,
             )
         )
 
@@ -249,7 +313,9 @@ class Strategy:
         n = self.num_replicas_in_sync
         return self._gated(
             lambda: jax.tree.map(
-                lambda leaf: gather_leaf(where, leaf, axis, n), value, is_leaf=_is_dv
+                lambda leaf: gather_leaf(where, as_distributed(leaf), axis, n),
+                value,
+                is_leaf=is_distributed,
             )
         )
 
@@ -259,7 +325,8 @@ class Strategy:
         A non-distributed value gives ``(value,)``. For a pytree with distributed
         leaves, each entry is a pytree of the same structure.
         """
-        leaves, treedef = jax.tree.flatten(value, is_leaf=_is_dv)
+        leaves, treedef = jax.tree.flatten(value, is_leaf=is_distributed)
+        leaves = [as_distributed(x) for x in leaves]
         if not any(isinstance(x, DistributedValues) for x in leaves):
             return (value,)
         n_local = len(self.extended.worker_devices)
@@ -320,67 +387,8 @@ class Strategy:
     distribute_datasets_from_function = experimental_distribute_dataset
 
 
-class StrategyExtended:
-    """The lower-level API of a strategy (``strategy.extended``)."""
-
-    __slots__ = ("_strategy",)
-
-    def __init__(self, strategy: Strategy) -> None:
-        self._strategy = strategy
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, StrategyExtended) and other._strategy == self._strategy
-
-    def __hash__(self) -> int:
-        return hash((StrategyExtended, self._strategy))
-
-    @property
-    def worker_devices(self) -> tuple[jax.Device, ...]:
-        """This process's devices that run replicas."""
-        me = jax.process_index()
-        return tuple(d for d in self._strategy._devices if d.process_index == me)
-
-    @property
-    def parameter_devices(self) -> tuple[jax.Device, ...]:
-        """The devices that hold variables (every replica's device when mirrored)."""
-        return self.worker_devices
-
-    def _place(self, value: Any, destinations: Any) -> Any:
-        if isinstance(destinations, (jax.Device, str)):
-            from jaxdist.devices import resolve_device
-
-            dev = resolve_device(destinations, where="StrategyExtended.reduce_to")
-            return value if not isinstance(value, jax.Array) else jax.device_put(value, dev)
-        if isinstance(value, jax.Array) and not is_tracer(value) and not value.is_fully_replicated:
-            value = jax.device_put(value, NamedSharding(self._strategy.mesh, P()))
-        return Mirrored(value)
-
-    def reduce_to(self, reduce_op: ReduceOp | str, value: Any, destinations: Any) -> Any:
-        """Reduces ``value`` across replicas; the result is `Mirrored` over the strategy's
-        devices, or a plain array when ``destinations`` is one device."""
-        reduced = self._strategy.reduce(reduce_op, value)
-        return jax.tree.map(lambda x: self._place(x, destinations), reduced)
-
-    def batch_reduce_to(
-        self, reduce_op: ReduceOp | str, value_destination_pairs: Sequence[tuple[Any, Any]]
-    ) -> list[Any]:
-        """`reduce_to` for many ``(value, destinations)`` pairs, as one program."""
-        pairs = list(value_destination_pairs)
-        reduced = self._strategy.reduce(reduce_op, [v for v, _ in pairs])
-        return [
-            jax.tree.map(lambda x, d=d: self._place(x, d), r)
-            for r, (_, d) in zip(reduced, pairs, strict=True)
-        ]
-
-    def broadcast_to(self, tensor: Any, destinations: Any) -> Any:
-        """Copies ``tensor`` to every replica (`Mirrored`), or to one device."""
-        return jax.tree.map(lambda x: self._place(jax.numpy.asarray(x), destinations), tensor)
-
-    def call_for_each_replica(
-        self,
-        fn: Callable[..., Any],
-        args: Sequence[Any] = (),
-        kwargs: dict[str, Any] | None = None,
-    ) -> Any:
-        """tf.distribute's name for `Strategy.run`."""
-        return self._strategy.run(fn, args, kwargs)
+def _local_column(x: Any, n_local: int) -> tuple[Any, ...]:
+    if not isinstance(x, DistributedValues):
+        return (x,) * n_local
+    values = x.values
+    return values * n_local if len(values) == 1 and n_local > 1 else values

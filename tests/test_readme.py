@@ -28,3 +28,19 @@ def test_demo_loss_falls() -> None:
     first = train_mlp.main(steps=1)
     last = train_mlp.main(steps=40)
     assert last < first
+
+
+def test_readme_variables_guide_runs() -> None:
+    text = (ROOT / "README.md").read_text()
+    guide = next(
+        b
+        for b in re.findall(r"```python\n(.*?)```", text, flags=re.S)
+        if "ON_READ" in b or "on_read" in b
+    )
+    scope: dict = {}
+    exec(
+        compile("import jax, jax.numpy as jnp, jaxdist as jd\n" + guide, "README.md", "exec"), scope
+    )
+    assert float(scope["seen"].read_value()) == 10 * 16 * 8
+    assert scope["w"].synchronization.name == "ON_WRITE"
+    assert 0.0 < float(scope["mean_loss"]) < 1.0

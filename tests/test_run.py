@@ -208,3 +208,14 @@ def test_run_options(mirrored8: jd.MirroredStrategy) -> None:
     assert x.array.is_deleted()  # donated
     with pytest.raises(TypeError, match="must be a mapping"):
         jd.RunOptions(experimental_xla_options=3)
+
+
+def test_arguments_committed_elsewhere_are_placed(mirrored8: jd.MirroredStrategy) -> None:
+    two = jd.MirroredStrategy(jax.devices()[:2])
+    on_dev5 = jax.device_put(jnp.ones(3), jax.devices()[5])
+    out = two.run(lambda ctx, x: ctx.all_reduce("sum", x), args=(on_dev5,))
+    np.testing.assert_allclose(out.array, np.full(3, 2.0))
+    per8 = mirrored8.run(lambda ctx, i: i * 1.0, args=(jd.PerReplica(jnp.arange(8)),))
+    first = mirrored8.experimental_local_results(per8)[0]  # committed to device 0
+    out = mirrored8.run(lambda ctx, a, b: a + b, args=(first, jd.PerReplica(jnp.arange(8.0))))
+    np.testing.assert_allclose(out.array, np.arange(8.0))

@@ -26,6 +26,7 @@ lint: $(STAMP)
 bench: $(STAMP)
 	$(PY) benchmarks/dispatch.py
 	$(PY) benchmarks/train_step.py
+	$(PY) benchmarks/input_pipeline.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache *.egg-info

@@ -4,7 +4,7 @@ Only the names re-exported here (and the ``jaxdist.experimental`` module) are
 public; every other module is internal.
 """
 
-from jaxdist import checkpoint, experimental
+from jaxdist import checkpoint, data, experimental
 from jaxdist.context import (
     ReplicaContext,
     experimental_set_strategy,
@@ -12,6 +12,13 @@ from jaxdist.context import (
     get_strategy,
     has_strategy,
     in_cross_replica_context,
+)
+from jaxdist.input import (
+    DistributedDataset,
+    DistributedIterator,
+    InputContext,
+    InputOptions,
+    InputReplicationMode,
 )
 from jaxdist.options import RunOptions
 from jaxdist.reduce import (
@@ -33,8 +40,13 @@ __version__ = "0.1.0"
 __all__ = [
     "CentralStorageStrategy",
     "CrossDeviceOps",
+    "DistributedDataset",
+    "DistributedIterator",
     "DistributedValues",
     "HierarchicalCopyAllReduce",
+    "InputContext",
+    "InputOptions",
+    "InputReplicationMode",
     "Mirrored",
     "MirroredStrategy",
     "NcclAllReduce",
@@ -50,6 +62,7 @@ __all__ = [
     "VariableAggregation",
     "VariableSynchronization",
     "checkpoint",
+    "data",
     "experimental",
     "experimental_set_strategy",
     "get_replica_context",

@@ -97,7 +97,7 @@ def _flatten_inputs(
     with_path, treedef = jax.tree_util.tree_flatten_with_path(
         (args, kwargs), is_leaf=is_distributed
     )
-    flat, specs, kinds = [], [], []
+    flat, specs, kinds, valid = [], [], [], []
     for path, leaf in with_path:
         if isinstance(leaf, Variable):
             arr = leaf._stored
@@ -118,10 +118,17 @@ def _flatten_inputs(
             flat.append(arr)
             specs.append(P(axis))
             kinds.append((_PER_REPLICA, None))
+            if leaf.valid is not None:
+                valid.append(leaf.valid)
         else:
             flat.append(leaf.array if isinstance(leaf, Mirrored) else leaf)
             specs.append(P())
             kinds.append((_BROADCAST, None))
+    # The valid-row counts of padded batches ride along as extra per-replica inputs;
+    # one array shared by a batch's leaves is passed once.
+    unique_valid = list({id(v): v for v in valid}.values())
+    flat.extend(unique_valid)
+    specs.extend([P(axis)] * len(unique_valid))
     return flat, specs, kinds, treedef
 
 
@@ -183,7 +190,8 @@ def _replicated(
 
     def body(*local: Any) -> list[Any]:
         ctx = ReplicaContext(strategy)
-        vals = [_enter(ctx, k, m, x) for (k, m), x in zip(kinds, local, strict=True)]
+        ctx._valid.extend(v[0] for v in local[len(kinds) :])
+        vals = [_enter(ctx, k, m, x) for (k, m), x in zip(kinds, local, strict=False)]
         a, k = jax.tree.unflatten(treedef, vals)
         with replica_scope(ctx):
             try:
@@ -220,3 +228,35 @@ def replicated_program(options: RunOptions | None) -> Callable[..., Any]:
     if opts.experimental_xla_options:
         jit_kwargs["compiler_options"] = dict(opts.experimental_xla_options)
     return jax.jit(_replicated, **jit_kwargs)
+
+
+class CompiledStep:
+    """A replica function compiled ahead of time; call it with the step's arguments."""
+
+    def __init__(self, compiled: Any) -> None:
+        self._compiled = compiled
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self._compiled(args, kwargs)
+
+    def as_text(self) -> str:
+        return self._compiled.as_text()
+
+    def __getattr__(self, name: str) -> Any:  # cost_analysis, memory_analysis, ...
+        return getattr(self._compiled, name)
+
+
+class LoweredStep:
+    """A replica function lowered for given arguments (``strategy.function(f).lower(...)``)."""
+
+    def __init__(self, lowered: Any) -> None:
+        self._lowered = lowered
+
+    def compile(self) -> CompiledStep:
+        return CompiledStep(self._lowered.compile())
+
+    def as_text(self) -> str:
+        return self._lowered.as_text()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._lowered, name)

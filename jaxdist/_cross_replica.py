@@ -47,11 +47,29 @@ def _reduce_jit(x: jax.Array, op: ReduceOp, axes: tuple[int, ...], times: int) -
     return out * times if times != 1 else out
 
 
+@functools.partial(jax.jit, static_argnames=("op",))
+def _masked_reduce_jit(x: jax.Array, valid: jax.Array, op: ReduceOp) -> jax.Array:
+    """Reduces over replicas and rows, counting only each replica's first valid rows."""
+    mask = jnp.arange(x.shape[1])[None, :] < valid[:, None]
+    mask = mask.reshape(mask.shape + (1,) * (x.ndim - 2))
+    info = jnp.finfo(x.dtype) if jnp.issubdtype(x.dtype, jnp.inexact) else jnp.iinfo(x.dtype)
+    if op is ReduceOp.MAX:
+        return jnp.max(x, axis=(0, 1), where=mask, initial=info.min)
+    if op is ReduceOp.MIN:
+        return jnp.min(x, axis=(0, 1), where=mask, initial=info.max)
+    total = jnp.sum(jnp.where(mask, x, 0), axis=(0, 1))
+    if op is ReduceOp.SUM:
+        return total
+    return total / jnp.sum(valid)
+
+
 def reduce_leaf(where: str, op: ReduceOp, leaf: Any, axis: int | None, num_replicas: int) -> Any:
     """Reduces one leaf across replicas (and along ``axis`` of each replica's value)."""
     if isinstance(leaf, PerReplica):
         x = leaf.array
         ax = _check_axis(where, axis, x.ndim - 1, tuple(x.shape[1:]))
+        if ax == 0 and leaf.valid is not None:
+            return _masked_reduce_jit(x, leaf.valid, op)
         axes = (0,) if ax is None else (0, ax + 1)
         return _reduce_jit(x, op, axes, 1)
     mirrored = isinstance(leaf, Mirrored)
@@ -91,6 +109,8 @@ def gather_leaf(where: str, leaf: Any, axis: int, num_replicas: int) -> Any:
             )
         ax = _check_axis(where, axis, rank, tuple(x.shape[1:]))
         assert ax is not None
+        if ax == 0 and leaf.valid is not None:  # leave the padding out
+            return jnp.asarray(np.concatenate([np.asarray(v) for v in leaf.values], axis=0))
         return _gather_jit(x, ax)
     x = jnp.asarray(leaf.array if isinstance(leaf, Mirrored) else leaf)
     if x.ndim == 0:

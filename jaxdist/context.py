@@ -122,6 +122,10 @@ class ReplicaContext:
     _mirrors: dict[int, tuple[Any, Any]] = dataclasses.field(
         default_factory=dict, compare=False, hash=False, repr=False
     )
+    # This replica's valid-row counts of the padded batches among the arguments.
+    _valid: list[Any] = dataclasses.field(
+        default_factory=list, compare=False, hash=False, repr=False
+    )
 
     @property
     def axis_name(self) -> str:
@@ -138,6 +142,25 @@ class ReplicaContext:
         if not self._bound:
             return jnp.int32(0)
         return lax.axis_index(self.axis_name)
+
+    @property
+    def num_valid(self) -> jax.Array | None:
+        """Rows of this replica's batch that are data, not padding (traced int32).
+
+        Set when an argument is a batch from a distributed dataset (a `PerReplica`
+        with ``valid`` counts; the first such batch if there are several);
+        ``None`` otherwise. Only the last, partial batch of a dataset has padding.
+        """
+        return self._valid[0] if self._valid else None
+
+    def valid_mask(self, rows: int) -> jax.Array:
+        """A boolean mask of shape ``(rows,)``: True for data rows of this replica's batch.
+
+        All True when no argument carries valid counts. Use it to weight
+        per-example losses and metrics so padded rows count for nothing.
+        """
+        idx = jnp.arange(rows)
+        return idx < self._valid[0] if self._valid else idx >= 0
 
     @property
     def devices(self) -> tuple[jax.Device, ...]:

@@ -21,7 +21,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxdist import _dispatch
-from jaxdist._compile import describe_bad_leaf, replicated_program
+from jaxdist._compile import LoweredStep, describe_bad_leaf, replicated_program
 from jaxdist._cross_replica import gather_leaf, reduce_leaf
 from jaxdist._jax_compat import is_tracer
 from jaxdist.context import check_cross_replica, strategy_scope
@@ -264,9 +264,11 @@ class Strategy:
         def replicated(*args: Any, **kwargs: Any) -> Any:
             return self.run(fn, args, kwargs, options)
 
-        def lower(*args: Any, **kwargs: Any) -> Any:
-            """The `jax.stages.Lowered` program for these arguments (inspect HLO, cost)."""
-            return replicated_program(options).lower(fn, self, args, kwargs)
+        def lower(*args: Any, **kwargs: Any) -> LoweredStep:
+            """The program lowered for these arguments (arrays or `jax.ShapeDtypeStruct`s,
+            e.g. a dataset's ``element_spec``); ``.compile()`` it ahead of time, or read
+            its HLO with ``.as_text()``."""
+            return LoweredStep(replicated_program(options).lower(fn, self, args, kwargs))
 
         replicated.lower = lower  # type: ignore[attr-defined]
         return replicated
@@ -379,12 +381,42 @@ class Strategy:
         return jax.tree.unflatten(treedef, out)
 
     def experimental_distribute_dataset(self, dataset: Any, options: Any = None) -> Any:
-        raise NotImplementedError(
-            f"{self._name('experimental_distribute_dataset')}: distributed input is not part "
-            "of this release yet."
-        )
+        """Splits a dataset of *global* batches across the replicas.
 
-    distribute_datasets_from_function = experimental_distribute_dataset
+        ``dataset`` is any iterable of pytrees of arrays (a list, a generator,
+        `jaxdist.data.from_arrays(...)`, a grain dataset or loader) or a
+        ``tf.data.Dataset``. Each global batch of ``B`` rows becomes a pytree of
+        `PerReplica` leaves of shape ``(N, B/N, ...)`` placed on the devices in a
+        background thread. A last, smaller batch is padded to the same shape and
+        carries valid-row counts (see `PerReplica`), unless
+        ``InputOptions(partial_batches="drop")``.
+
+        Returns:
+            A re-iterable `DistributedDataset`.
+        """
+        from jaxdist.input.distribute import distribute_dataset
+
+        return distribute_dataset(self, dataset, options)
+
+    def distribute_datasets_from_function(
+        self, dataset_fn: Callable[[Any], Any], options: Any = None
+    ) -> Any:
+        """Calls ``dataset_fn(InputContext)`` once per input pipeline (one per process, or one
+        per replica with ``InputReplicationMode.PER_REPLICA``); the returned iterable yields
+        *per-replica* batches, which feed this process's replicas in turn.
+
+        Example:
+            >>> import numpy as np, jaxdist as jd
+            >>> s = jd.OneDeviceStrategy()
+            >>> def dataset_fn(ctx):
+            ...     bs = ctx.get_per_replica_batch_size(4)
+            ...     return jd.data.from_arrays(np.arange(8.0), batch_size=bs)
+            >>> [b.array.shape for b in s.distribute_datasets_from_function(dataset_fn)]
+            [(1, 4), (1, 4)]
+        """
+        from jaxdist.input.distribute import distribute_from_function
+
+        return distribute_from_function(self, dataset_fn, options)
 
 
 def _local_column(x: Any, n_local: int) -> tuple[Any, ...]:

@@ -15,6 +15,8 @@ from typing import Any
 import jax
 import numpy as np
 
+from jaxdist._jax_compat import is_tracer
+
 __all__ = ["DistributedValues", "Mirrored", "PerReplica", "ValueContext"]
 
 
@@ -53,18 +55,11 @@ class DistributedValues:
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.array!r})"
 
-    def __init_subclass__(cls, **kwargs: Any) -> None:
-        super().__init_subclass__(**kwargs)
-        jax.tree_util.register_pytree_with_keys(
-            cls,
-            lambda v: (((jax.tree_util.GetAttrKey("array"), v.array),), None),
-            lambda _, children: cls(*children),
-            lambda v: ((v.array,), None),
-        )
-
 
 def _addressable_shards(array: Any) -> list[Any] | None:
-    return list(array.addressable_shards) if isinstance(array, jax.Array) else None
+    if isinstance(array, jax.Array) and not is_tracer(array):
+        return list(array.addressable_shards)
+    return None
 
 
 class PerReplica(DistributedValues):
@@ -73,6 +68,12 @@ class PerReplica(DistributedValues):
     `Strategy.run` unwraps it, so replica ``r`` sees ``array[r]``; `run`
     returns one for every output that varies across replicas.
 
+    ``valid`` (optional, an int array of shape ``(N,)``) marks a padded batch:
+    replica ``r``'s first ``valid[r]`` rows are data, the rest padding. The
+    distributed datasets attach it to every batch; inside `Strategy.run` it is
+    ``ctx.num_valid`` / ``ctx.valid_mask(rows)``, `Strategy.reduce` with
+    ``axis=0`` counts only valid rows, and `values` leaves the padding out.
+
     Example:
         >>> import jax.numpy as jnp, jaxdist as jd
         >>> v = jd.PerReplica(jnp.array([1.0, 2.0]))
@@ -80,9 +81,32 @@ class PerReplica(DistributedValues):
         [1.0, 2.0]
     """
 
-    __slots__ = ()
+    __slots__ = ("valid",)
+    valid: Any
+
+    def __init__(self, array: Any, valid: Any = None) -> None:
+        super().__init__(array)
+        object.__setattr__(self, "valid", valid)
+
+    def __repr__(self) -> str:
+        if self.valid is None:
+            return f"PerReplica({self.array!r})"
+        return f"PerReplica({self.array!r}, valid={self.valid!r})"
 
     def _local_components(self) -> tuple[Any, ...]:
+        rows = self._padded_components()
+        if self.valid is None or is_tracer(self.valid):
+            return rows
+        valid = np.asarray(self.valid)
+        return tuple(v[: int(valid[i])] for i, v in zip(self._local_indices(), rows, strict=True))
+
+    def _local_indices(self) -> list[int]:
+        shards = _addressable_shards(self.array)
+        if shards is None or self.array.ndim == 0:
+            return list(range(np.shape(self.array)[0]))
+        return sorted({s.index[0].indices(self.array.shape[0])[0] for s in shards})
+
+    def _padded_components(self) -> tuple[Any, ...]:
         shards = _addressable_shards(self.array)
         if shards is not None and self.array.ndim > 0:
             rows = {s.index[0].indices(self.array.shape[0]) for s in shards}
@@ -96,7 +120,7 @@ class PerReplica(DistributedValues):
                 f"not one row per device (shape {self.shape}, sharding "
                 f"{self.array.sharding}); use Strategy.experimental_local_results instead."
             )
-        arr = np.asarray(self.array) if shards is None else self.array
+        arr = self.array if shards is not None or is_tracer(self.array) else np.asarray(self.array)
         return tuple(arr[i] for i in range(arr.shape[0]))
 
 
@@ -107,13 +131,56 @@ class Mirrored(DistributedValues):
     replica's device.
     """
 
-    __slots__ = ()
+    __slots__ = ("valid",)
+    valid: Any
+
+    def __init__(self, array: Any, valid: Any = None) -> None:
+        super().__init__(array)
+        object.__setattr__(self, "valid", valid)
+
+    def __repr__(self) -> str:
+        if self.valid is None:
+            return f"PerReplica({self.array!r})"
+        return f"PerReplica({self.array!r}, valid={self.valid!r})"
 
     def _local_components(self) -> tuple[Any, ...]:
+        rows = self._padded_components()
+        if self.valid is None or is_tracer(self.valid):
+            return rows
+        valid = np.asarray(self.valid)
+        return tuple(v[: int(valid[i])] for i, v in zip(self._local_indices(), rows, strict=True))
+
+    def _local_indices(self) -> list[int]:
+        shards = _addressable_shards(self.array)
+        if shards is None or self.array.ndim == 0:
+            return list(range(np.shape(self.array)[0]))
+        return sorted({s.index[0].indices(self.array.shape[0])[0] for s in shards})
+
+    def _padded_components(self) -> tuple[Any, ...]:
         shards = _addressable_shards(self.array)
         if shards is None:
             return (self.array,)
         return tuple(s.data for s in shards)
+
+
+jax.tree_util.register_pytree_with_keys(
+    PerReplica,
+    lambda v: (
+        (
+            (jax.tree_util.GetAttrKey("array"), v.array),
+            (jax.tree_util.GetAttrKey("valid"), v.valid),
+        ),
+        None,
+    ),
+    lambda _, children: PerReplica(*children),
+    lambda v: ((v.array, v.valid), None),
+)
+jax.tree_util.register_pytree_with_keys(
+    Mirrored,
+    lambda v: (((jax.tree_util.GetAttrKey("array"), v.array),), None),
+    lambda _, children: Mirrored(*children),
+    lambda v: ((v.array,), None),
+)
 
 
 @dataclasses.dataclass(frozen=True)

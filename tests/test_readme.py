@@ -44,3 +44,19 @@ def test_readme_variables_guide_runs() -> None:
     assert float(scope["seen"].read_value()) == 10 * 16 * 8
     assert scope["w"].synchronization.name == "ON_WRITE"
     assert 0.0 < float(scope["mean_loss"]) < 1.0
+
+
+def test_readme_input_guide_runs() -> None:
+    text = (ROOT / "README.md").read_text()
+    guide = next(
+        b for b in re.findall(r"```python\n(.*?)```", text, flags=re.S) if "dataset_fn" in b
+    )
+    scope: dict = {}
+    exec(
+        compile("import jax, jax.numpy as jnp, jaxdist as jd\n" + guide, "README.md", "exec"), scope
+    )
+    rows = sum(
+        sum(len(v) for v in scope["strategy"].experimental_local_results(b))
+        for b in scope["per_replica_ds"]
+    )
+    assert rows == 1000

@@ -1,0 +1,14 @@
+"""Distributed input: contexts, options, datasets and iterators."""
+
+from jaxdist.input.dataset import DistributedDataset, DistributedIterator, OptionalValue
+from jaxdist.input.options import AutoShardPolicy, InputContext, InputOptions, InputReplicationMode
+
+__all__ = [
+    "AutoShardPolicy",
+    "DistributedDataset",
+    "DistributedIterator",
+    "InputContext",
+    "InputOptions",
+    "InputReplicationMode",
+    "OptionalValue",
+]

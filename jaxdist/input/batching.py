@@ -1,0 +1,234 @@
+"""Turning host batches into per-replica device batches (private).
+
+`Batcher` checks each batch (array leaves, one batch size), splits a global
+batch into per-replica rows (replica ``r`` of a full batch gets rows
+``[r*b, (r+1)*b)``; a partial batch of ``B'`` rows is split as tf.distribute
+does, ``ceil(B'/N)`` rows per replica in order), pads every replica to the
+established per-replica size ``b`` so the step never recompiles, records the
+valid-row counts, and places each leaf straight into the sharded layout.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxdist.values import DistributedValues, PerReplica
+
+if TYPE_CHECKING:
+    from jaxdist.input.options import InputOptions
+    from jaxdist.strategy import Strategy
+
+
+class Batcher:
+    """Splits, pads and places batches for one distributed dataset (private)."""
+
+    def __init__(self, strategy: Strategy, options: InputOptions, where: str) -> None:
+        self.strategy = strategy
+        self.options = options
+        self.where = where
+        self.n = strategy.num_replicas_in_sync
+        me = jax.process_index()
+        self.local = [r for r, d in enumerate(strategy.mesh.devices.flat) if d.process_index == me]
+        self.sharding = NamedSharding(strategy.mesh, P(strategy.axis_name))
+        self.multi_process = jax.process_count() > 1
+        self.treedef: Any = None
+        self.row_shapes: list[tuple[tuple[int, ...], Any]] | None = None
+        self.b: int | None = None  # per-replica rows, fixed by the first batch
+        self._full_valid: Any = None
+        self._full_counts: np.ndarray | None = None
+
+    # Checks -----------------------------------------------------------------------
+
+    def leaves(self, batch: Any, *, per_replica: bool) -> list[np.ndarray]:
+        """The batch's leaves as NumPy arrays, after checking them against the first."""
+        if self.row_shapes is not None:  # fast path: the structure is known
+            leaves, treedef = jax.tree.flatten(batch)
+            if treedef == self.treedef and all(
+                type(a) is np.ndarray and a.ndim and (a.shape[1:], a.dtype) == rs
+                for a, rs in zip(leaves, self.row_shapes, strict=True)
+            ):
+                rows = leaves[0].shape[0]
+                if all(a.shape[0] == rows for a in leaves):
+                    return leaves
+        return self._checked_leaves(batch, per_replica=per_replica)
+
+    def _checked_leaves(self, batch: Any, *, per_replica: bool) -> list[np.ndarray]:
+        with_path, treedef = jax.tree_util.tree_flatten_with_path(
+            batch, is_leaf=lambda x: isinstance(x, DistributedValues)
+        )
+        kind = "per-replica batch" if per_replica else "global batch"
+        leaves = []
+        for path, x in with_path:
+            name = jax.tree_util.keystr(path) or "<batch>"
+            if isinstance(x, DistributedValues):
+                raise TypeError(
+                    f"{self.where}: the dataset yielded a {type(x).__name__} at {name}; it must "
+                    f"yield {kind}es of plain arrays. For per-replica input use "
+                    "strategy.distribute_datasets_from_function."
+                )
+            if not isinstance(x, (np.ndarray, jax.Array, np.generic, int, float, bool)):
+                raise TypeError(
+                    f"{self.where}: leaf {name} of a {kind} is a {type(x).__name__}, not an "
+                    "array. Batches must be pytrees of arrays; convert or drop other fields in "
+                    "the dataset."
+                )
+            arr = np.asarray(x)
+            if arr.ndim == 0:
+                raise ValueError(
+                    f"{self.where}: leaf {name} of a {kind} is a scalar; every leaf needs a "
+                    "leading batch axis."
+                )
+            leaves.append((name, arr))
+        if not leaves:
+            raise ValueError(f"{self.where}: the dataset yielded an empty batch {batch!r}.")
+        sizes = {name: a.shape[0] for name, a in leaves}
+        if len(set(sizes.values())) > 1:
+            raise ValueError(
+                f"{self.where}: the leaves of a {kind} disagree on the batch size: {sizes}. "
+                "Every leaf must have the same number of rows."
+            )
+        rows = [(a.shape[1:], a.dtype) for _, a in leaves]
+        if self.treedef is None:
+            self.treedef, self.row_shapes = treedef, rows
+        elif treedef != self.treedef:
+            raise ValueError(
+                f"{self.where}: a {kind} has structure {treedef}, but the first had "
+                f"{self.treedef}; every batch must have the same structure."
+            )
+        elif rows != self.row_shapes:
+            for (name, a), (shape, dtype) in zip(leaves, self.row_shapes or [], strict=True):
+                if (a.shape[1:], a.dtype) != (shape, dtype):
+                    raise ValueError(
+                        f"{self.where}: leaf {name} has rows of shape {a.shape[1:]} and dtype "
+                        f"{a.dtype}, but the first {kind} had {shape} and {dtype}."
+                    )
+        return [a for _, a in leaves]
+
+    def _partial(self, got: int, full: int) -> bool:
+        """Applies the partial-batch policy; returns False when the batch is dropped."""
+        policy = self.options.partial_batches
+        if policy == "drop":
+            return False
+        if policy == "error":
+            raise ValueError(
+                f"{self.where}: a batch of {got} rows is smaller than the full {full} rows and "
+                "InputOptions(partial_batches='error') forbids padding it. Use 'pad' (the "
+                "default: padded and masked) or 'drop'."
+            )
+        return True
+
+    # Global batches ----------------------------------------------------------------
+
+    def from_global(self, batch: Any) -> tuple[list[np.ndarray], np.ndarray] | None:
+        """Host (local replicas, b, ...) arrays and valid counts for one global batch."""
+        leaves = self.leaves(batch, per_replica=False)
+        rows = leaves[0].shape[0]
+        off = self.options.experimental_auto_shard_policy.value == "OFF"
+        share = len(self.local) if (off and self.multi_process) else self.n
+        if self.b is None:
+            self.b = math.ceil(rows / share)
+        b = self.b
+        if rows > share * b:
+            raise ValueError(
+                f"{self.where}: a global batch of {rows} rows is larger than the first "
+                f"({share * b} rows, {b} per replica for {share} replicas); batches may only "
+                "shrink at the end of the dataset."
+            )
+        wanted = range(share) if off and self.multi_process else self.local
+        if rows == share * b and len(wanted) == share:  # a full batch: views, no copies
+            if self._full_counts is None:
+                self._full_counts = np.full(share, b, np.int32)
+            return [a.reshape(share, b, *a.shape[1:]) for a in leaves], self._full_counts
+        if rows < share * b and not self._partial(rows, share * b):
+            return None
+        per = b if rows == share * b else math.ceil(rows / share)
+        counts = np.clip(rows - per * np.arange(share), 0, per).astype(np.int32)
+        out = []
+        for a in leaves:
+            if rows == share * b and per == b:
+                split = a.reshape(share, b, *a.shape[1:])
+                out.append(split if len(wanted) == share else split[list(wanted)])
+            else:
+                padded = np.zeros((len(wanted), b, *a.shape[1:]), a.dtype)
+                for i, r in enumerate(wanted):
+                    padded[i, : counts[r]] = a[r * per : r * per + counts[r]]
+                out.append(padded)
+        return out, counts[list(wanted)]
+
+    # Per-replica batches -----------------------------------------------------------
+
+    def from_per_replica(
+        self, elements: Sequence[Any | None]
+    ) -> tuple[list[np.ndarray], np.ndarray]:
+        """Stacks one per-replica batch per local replica (None: that replica got none)."""
+        leaf_lists = [None if e is None else self.leaves(e, per_replica=True) for e in elements]
+        present = [ls for ls in leaf_lists if ls is not None]
+        if self.b is None:
+            self.b = present[0][0].shape[0]
+        b = self.b
+        counts = np.array([0 if ls is None else ls[0].shape[0] for ls in leaf_lists], np.int32)
+        if counts.max() > b:
+            raise ValueError(
+                f"{self.where}: a per-replica batch of {int(counts.max())} rows is larger than "
+                f"the first ({b} rows). dataset_fn must yield per-replica batches of "
+                "input_context.get_per_replica_batch_size(global_batch_size) rows; did it "
+                "yield global batches?"
+            )
+        out = []
+        assert self.row_shapes is not None
+        for j, (shape, dtype) in enumerate(self.row_shapes):
+            stacked = np.zeros((len(elements), b, *shape), dtype)
+            for i, ls in enumerate(leaf_lists):
+                if ls is not None:
+                    stacked[i, : counts[i]] = ls[j]
+            out.append(stacked)
+        return out, counts
+
+    # Placement ---------------------------------------------------------------------
+
+    def place(self, leaves: list[np.ndarray], counts: np.ndarray) -> Any:
+        """The batch as a pytree of `PerReplica` leaves sharing one valid-count array."""
+        full = counts is self._full_counts or bool((counts == self.b).all())
+        if not self.options.experimental_fetch_to_device:
+            valid = counts
+            arrays: list[Any] = leaves
+        else:
+            arrays = self._to_devices(leaves)
+            if full:
+                if self._full_valid is None:
+                    self._full_valid = self._to_devices([counts])[0]
+                valid = self._full_valid
+            else:
+                valid = self._to_devices([counts])[0]
+        return jax.tree.unflatten(self.treedef, [PerReplica(a, valid) for a in arrays])
+
+    def _to_devices(self, local: list[np.ndarray]) -> list[jax.Array]:
+        """Places per-replica host rows into the sharded layout: one batched transfer in a
+        single process, each process its own rows in a multi-process job."""
+        if not self.multi_process:
+            return jax.device_put(local, self.sharding)
+        return [
+            jax.make_array_from_process_local_data(self.sharding, a, (self.n, *a.shape[1:]))
+            for a in local
+        ]
+
+    def spec(self, element: Any) -> Any:
+        """`jax.ShapeDtypeStruct`s (with shardings) for the elements this batcher yields."""
+
+        def one(x: Any) -> Any:
+            if not isinstance(x, PerReplica):
+                return x
+            sharding = self.sharding if self.options.experimental_fetch_to_device else None
+            return PerReplica(
+                jax.ShapeDtypeStruct(x.array.shape, x.array.dtype, sharding=sharding),
+                jax.ShapeDtypeStruct(np.shape(x.valid), np.int32, sharding=sharding),
+            )
+
+        return jax.tree.map(one, element, is_leaf=lambda x: isinstance(x, PerReplica))

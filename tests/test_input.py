@@ -1,0 +1,342 @@
+"""Distributed input against NumPy references on 1, 2 and 8 replicas (exact: data are
+small integers stored as float32)."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxdist as jd
+
+REPLICAS = [1, 2, 8]
+
+
+def _strategy(n: int) -> jd.Strategy:
+    return jd.OneDeviceStrategy() if n == 1 else jd.MirroredStrategy(jax.devices()[:n])
+
+
+def test_input_context() -> None:
+    ctx = jd.InputContext(num_input_pipelines=2, input_pipeline_id=1, num_replicas_in_sync=8)
+    assert ctx.get_per_replica_batch_size(512) == 64
+    assert (
+        repr(ctx)
+        == "InputContext(num_input_pipelines=2, input_pipeline_id=1, num_replicas_in_sync=8)"
+    )
+    with pytest.raises(
+        ValueError,
+        match=r"the global batch size 100 is not divisible by "
+        r"num_replicas_in_sync 8; use a multiple of 8 \(for example 104\)",
+    ):
+        ctx.get_per_replica_batch_size(100)
+    with pytest.raises(ValueError, match=r"input_pipeline_id=2 is outside"):
+        jd.InputContext(2, 2, 8)
+    with pytest.raises(ValueError, match=r"experimental_per_replica_buffer_size=0"):
+        jd.InputOptions(experimental_per_replica_buffer_size=0)
+    with pytest.raises(ValueError, match=r"partial_batches='keep'"):
+        jd.InputOptions(partial_batches="keep")
+
+
+def test_from_arrays() -> None:
+    x = np.arange(10)
+    assert [b.tolist() for b in jd.data.from_arrays(x, batch_size=4)] == [
+        [0, 1, 2, 3],
+        [4, 5, 6, 7],
+        [8, 9],
+    ]
+    assert len(jd.data.from_arrays(x, batch_size=4, drop_remainder=True)) == 2
+    ds = jd.data.from_arrays({"x": x, "y": -x}, batch_size=5, shuffle=True, seed=3)
+    e1, e2 = [b["x"].tolist() for b in ds], [b["x"].tolist() for b in ds]
+    assert sorted(v for b in e1 for v in b) == list(range(10)) and e1 != e2  # new order per epoch
+    assert all((b["y"] == -b["x"]).all() for b in ds)
+    with pytest.raises(ValueError, match=r"every array needs the same leading \(row\) axis"):
+        jd.data.from_arrays(np.zeros(3), np.zeros(4), batch_size=2)
+    with pytest.raises(ValueError, match=r"batch_size must be an int >= 1, got 0"):
+        jd.data.from_arrays(x, batch_size=0)
+
+
+@pytest.mark.parametrize("n", REPLICAS)
+def test_global_batches_split_by_rows(n: int) -> None:
+    s = _strategy(n)
+    x = np.arange(40 * 3, dtype=np.float32).reshape(40, 3)
+    y = np.arange(40, dtype=np.int32)
+    ds = s.experimental_distribute_dataset(jd.data.from_arrays(x, y, batch_size=8))
+    seen = []
+    for bx, by in ds:
+        assert isinstance(bx, jd.PerReplica) and bx.array.shape == (n, 8 // n, 3)
+        assert bx.array.sharding.spec == jax.sharding.PartitionSpec("replica")
+        for r, (lx, ly) in enumerate(
+            zip(s.experimental_local_results(bx), s.experimental_local_results(by), strict=True)
+        ):
+            lo = len(seen) * 8 + r * (8 // n)
+            np.testing.assert_array_equal(lx, x[lo : lo + 8 // n])
+            np.testing.assert_array_equal(ly, y[lo : lo + 8 // n])
+        seen.append(1)
+    assert len(seen) == 5
+    assert len(list(ds)) == 5  # re-iterable
+
+
+def test_partial_batch_split_and_weighted_reduce() -> None:
+    s = jd.MirroredStrategy(jax.devices()[:2])
+    element = next(iter(s.experimental_distribute_dataset([np.array([5.0, 6.0, 7.0])])))
+    a, b = s.experimental_local_results(element)
+    assert a.tolist() == [5.0, 6.0] and b.tolist() == [7.0]  # no padding shown
+    assert float(s.reduce("MEAN", element, axis=0)) == 6.0
+    assert float(s.reduce("SUM", element, axis=0)) == 18.0
+    assert float(s.reduce("MAX", element, axis=0)) == 7.0
+    assert float(s.reduce("MIN", element, axis=0)) == 5.0
+    np.testing.assert_array_equal(s.gather(element, axis=0), [5.0, 6.0, 7.0])
+
+
+@pytest.mark.parametrize("n", REPLICAS)
+def test_last_partial_batch_is_padded_masked_and_not_recompiled(n: int) -> None:
+    s = _strategy(n)
+    x = np.arange(21, dtype=np.float32)  # batches of 8, 8, then 5
+    ds = s.experimental_distribute_dataset(jd.data.from_arrays(x, batch_size=8))
+    traces = []
+
+    def step(ctx, batch):
+        traces.append(1)
+        mask = ctx.valid_mask(batch.shape[0])
+        total = ctx.all_reduce("sum", jnp.sum(jnp.where(mask, batch, 0.0)))
+        count = ctx.all_reduce("sum", jnp.sum(mask))
+        return total, count
+
+    sums, counts, means = [], [], []
+    for batch in ds:
+        t, c = s.run(step, args=(batch,))
+        sums.append(float(t.array))
+        counts.append(int(c.array))
+        means.append(float(s.reduce("mean", batch, axis=0)))
+    assert len(traces) == 1  # the padded last batch has the same shapes
+    assert counts == [8, 8, 5]
+    assert sums == [x[:8].sum(), x[8:16].sum(), x[16:].sum()]
+    assert means == [x[:8].mean(), x[8:16].mean(), x[16:].mean()]
+    last = s.experimental_local_results(batch)
+    np.testing.assert_array_equal(np.concatenate(last), x[16:])
+
+
+def test_drop_remainder_and_partial_batch_policies() -> None:
+    s = jd.MirroredStrategy()
+    x = np.arange(20, dtype=np.float32)
+    dropped = s.experimental_distribute_dataset(
+        jd.data.from_arrays(x, batch_size=8, drop_remainder=True)
+    )
+    assert len(list(dropped)) == 2
+    opts = jd.InputOptions(partial_batches="drop")
+    assert (
+        len(list(s.experimental_distribute_dataset(jd.data.from_arrays(x, batch_size=8), opts)))
+        == 2
+    )
+    strict = s.experimental_distribute_dataset([x[:4]], jd.InputOptions(partial_batches="error"))
+    first = s.experimental_distribute_dataset(
+        [x[:8], x[:4]], jd.InputOptions(partial_batches="error")
+    )
+    it = iter(first)
+    next(it)
+    with pytest.raises(
+        ValueError,
+        match=r"a batch of 4 rows is smaller than the full 8 rows and "
+        r"InputOptions\(partial_batches='error'\) forbids padding it",
+    ):
+        next(it)
+    with pytest.raises(ValueError, match=r"a batch of 4 rows is smaller than the full 8"):
+        next(iter(strict))
+
+
+def test_batch_smaller_than_replica_count_is_padded() -> None:
+    s = jd.MirroredStrategy()
+    element = next(iter(s.experimental_distribute_dataset([np.array([1.0, 2.0, 3.0])])))
+    assert element.array.shape == (8, 1)
+    assert [v.tolist() for v in element.values] == [[1.0], [2.0], [3.0]] + [[]] * 5
+    assert float(s.reduce("mean", element, axis=0)) == 2.0
+
+
+def test_iterator_protocol_and_element_spec(mirrored8: jd.MirroredStrategy) -> None:
+    x = np.arange(32, dtype=np.float32).reshape(16, 2)
+    ds = mirrored8.experimental_distribute_dataset(jd.data.from_arrays(x, batch_size=8))
+    it = iter(ds)
+    spec = it.element_spec
+    assert spec.array.shape == (8, 1, 2) and spec.array.sharding.spec == jax.sharding.PartitionSpec(
+        "replica"
+    )
+    assert ds.element_spec.array.shape == (8, 1, 2)
+
+    @mirrored8.function
+    def step(ctx, b):
+        return ctx.all_reduce("sum", jnp.sum(b))
+
+    compiled = step.lower(spec).compile()  # ahead of time, from the spec
+    first = it.get_next()
+    assert float(compiled(first).array) == x[:8].sum()
+    opt = it.get_next_as_optional()
+    assert opt.has_value() and float(step(opt.get_value()).array) == x[8:].sum()
+    empty = it.get_next_as_optional()
+    assert not empty.has_value()
+    with pytest.raises(ValueError, match="exhausted"):
+        empty.get_value()
+    with pytest.raises(StopIteration):
+        next(it)
+
+
+def test_sources_lists_generators_dicts(mirrored8: jd.MirroredStrategy) -> None:
+    batches = [{"x": np.full((8, 2), i, np.float32), "id": np.arange(8) + 8 * i} for i in range(3)]
+
+    def gen():
+        yield from batches
+
+    for source in (batches, gen()):
+        got = list(mirrored8.experimental_distribute_dataset(source))
+        assert len(got) == 3
+        for i, b in enumerate(got):
+            np.testing.assert_array_equal(b["x"].array, np.full((8, 1, 2), i))
+            np.testing.assert_array_equal(b["id"].array[:, 0], np.arange(8) + 8 * i)
+
+
+def test_grain_source(mirrored8: jd.MirroredStrategy) -> None:
+    grain = pytest.importorskip("grain")
+    x = np.arange(64, dtype=np.float32)
+    ds = grain.MapDataset.source(x).batch(16)
+    got = [b.array for b in mirrored8.experimental_distribute_dataset(ds)]
+    assert len(got) == 4
+    np.testing.assert_array_equal(np.concatenate([g.reshape(-1) for g in got]), x)
+
+
+def test_tf_data_source(mirrored8: jd.MirroredStrategy) -> None:
+    tf = pytest.importorskip("tensorflow")
+    ds = tf.data.Dataset.from_tensor_slices(np.arange(20, dtype=np.float32)).batch(8)
+    got = list(mirrored8.experimental_distribute_dataset(ds))
+    assert [float(mirrored8.reduce("sum", b, axis=0)) for b in got] == [28.0, 92.0, 70.0]
+
+
+def test_bad_input_errors(mirrored8: jd.MirroredStrategy) -> None:
+    where = r"MirroredStrategy.experimental_distribute_dataset"
+
+    def first(source, **kw):
+        return next(iter(mirrored8.experimental_distribute_dataset(source, **kw)))
+
+    with pytest.raises(
+        ValueError,
+        match=where + r": the leaves of a global batch disagree on the "
+        r"batch size: \{\"\['x'\]\": 8, \"\['y'\]\": 6\}",
+    ):
+        first([{"x": np.zeros(8), "y": np.zeros(6)}])
+    with pytest.raises(TypeError, match=where + r": leaf \['name'\] of a global batch is a str"):
+        first([{"x": np.zeros(8), "name": "a"}])
+    with pytest.raises(TypeError, match=where + r": the dataset yielded a PerReplica at <batch>"):
+        first([jd.PerReplica(np.zeros((8, 2)))])
+    with pytest.raises(
+        TypeError, match=where + r": got arrays, not a dataset of batches. Wrap them"
+    ):
+        mirrored8.experimental_distribute_dataset(np.zeros((16, 2)))
+    with pytest.raises(
+        ValueError,
+        match=where + r": a global batch of 16 rows is larger than the "
+        r"first \(8 rows, 1 per replica for 8 replicas\)",
+    ):
+        list(mirrored8.experimental_distribute_dataset([np.zeros(8), np.zeros(16)]))
+    with pytest.raises(ValueError, match=where + r": leaf <batch> has rows of shape \(3,\)"):
+        list(mirrored8.experimental_distribute_dataset([np.zeros((8, 2)), np.zeros((8, 3))]))
+    with pytest.raises(ValueError, match=r"AutoShardPolicy.FILE splits a dataset by its files"):
+        mirrored8.experimental_distribute_dataset(
+            [np.zeros(8)],
+            jd.InputOptions(experimental_auto_shard_policy=jd.experimental.AutoShardPolicy.FILE),
+        )
+
+    def failing():
+        yield np.zeros(8)
+        raise OSError("disk gone")
+
+    it = iter(mirrored8.experimental_distribute_dataset(failing()))
+    next(it)
+    with pytest.raises(OSError, match="disk gone"):
+        next(it)
+
+
+@pytest.mark.parametrize("n", REPLICAS)
+def test_distribute_datasets_from_function(n: int) -> None:
+    s = _strategy(n)
+    x = np.arange(44, dtype=np.float32)
+    calls = []
+
+    def dataset_fn(ctx: jd.InputContext):
+        calls.append(ctx)
+        bs = ctx.get_per_replica_batch_size(8 if n != 1 else 4)
+        return jd.data.from_arrays(x, batch_size=bs)
+
+    ds = s.distribute_datasets_from_function(dataset_fn)
+    batches = list(ds)
+    assert calls == [jd.InputContext(1, 0, n)]
+    per = 8 // n if n != 1 else 4
+    flat = np.concatenate([np.concatenate(s.experimental_local_results(b)) for b in batches])
+    np.testing.assert_array_equal(flat, x)  # every row once, in order, no padding
+    assert all(b.array.shape == (n, per) for b in batches)
+    total = sum(float(s.reduce("sum", b, axis=0)) for b in batches)
+    assert total == x.sum()
+
+
+def test_per_replica_mode_and_errors(mirrored8: jd.MirroredStrategy) -> None:
+    calls = []
+
+    def dataset_fn(ctx):
+        calls.append((ctx.input_pipeline_id, ctx.num_input_pipelines))
+        return [np.full((2,), ctx.input_pipeline_id, np.float32)] * 2
+
+    opts = jd.InputOptions(experimental_replication_mode=jd.InputReplicationMode.PER_REPLICA)
+    batches = list(mirrored8.distribute_datasets_from_function(dataset_fn, opts))
+    assert calls == [(r, 8) for r in range(8)] and len(batches) == 2
+    np.testing.assert_array_equal(batches[0].array[:, 0], np.arange(8))
+
+    def too_big(ctx):
+        return [np.zeros(2), np.zeros(16)]
+
+    with pytest.raises(
+        ValueError,
+        match=r"a per-replica batch of 16 rows is larger than the first "
+        r"\(2 rows\).*did it yield global batches\?",
+    ):
+        list(mirrored8.distribute_datasets_from_function(too_big))
+    with pytest.raises(TypeError, match=r"dataset_fn must be callable"):
+        mirrored8.distribute_datasets_from_function(3)
+
+
+def test_prefetch_is_bounded() -> None:
+    s = jd.MirroredStrategy()
+    pulled = []
+
+    def source():
+        for i in range(50):
+            pulled.append(i)
+            yield np.full((8, 4), i, np.float32)
+
+    opts = jd.InputOptions(experimental_per_replica_buffer_size=2)
+    it = iter(s.experimental_distribute_dataset(source(), opts))
+    next(it)
+    time.sleep(0.5)  # let the prefetch thread run as far as it can
+    assert len(pulled) <= 1 + 2 + 1  # consumed + buffer + one in hand
+    it.close()
+
+
+def test_host_batches_without_fetch_to_device(mirrored8: jd.MirroredStrategy) -> None:
+    opts = jd.InputOptions(experimental_fetch_to_device=False)
+    b = next(iter(mirrored8.experimental_distribute_dataset([np.arange(8.0)], opts)))
+    assert isinstance(b.array, np.ndarray) and b.array.shape == (8, 1)
+    out = mirrored8.run(lambda ctx, v: ctx.all_reduce("sum", v), args=(b,))
+    np.testing.assert_array_equal(out.array, [28.0])
+
+
+def test_no_thread_left_behind() -> None:
+    s = jd.MirroredStrategy()
+    before = threading.active_count()
+    for _ in range(5):
+        it = iter(
+            s.experimental_distribute_dataset(jd.data.from_arrays(np.zeros(64), batch_size=8))
+        )
+        next(it)
+        it.close()
+    time.sleep(0.5)
+    assert threading.active_count() <= before + 1

@@ -14,6 +14,7 @@ $(STAMP): pyproject.toml
 
 test: $(STAMP)
 	$(VENV)/bin/ruff check jaxdist tests benchmarks conftest.py
+	$(VENV)/bin/mypy jaxdist
 	$(PY) -m pytest -q
 
 demo: $(STAMP)

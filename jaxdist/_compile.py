@@ -97,7 +97,10 @@ def _flatten_inputs(
     with_path, treedef = jax.tree_util.tree_flatten_with_path(
         (args, kwargs), is_leaf=is_distributed
     )
-    flat, specs, kinds, valid = [], [], [], []
+    flat: list[Any] = []
+    specs: list[P] = []
+    kinds: list[tuple[int, Any]] = []
+    valid: list[Any] = []
     for path, leaf in with_path:
         if isinstance(leaf, Variable):
             arr = leaf._stored
@@ -219,7 +222,8 @@ def _replicated(
 
 
 @functools.cache
-def replicated_program(options: RunOptions | None) -> Callable[..., Any]:
+def replicated_program(options: RunOptions | None) -> Any:
+    # A `jax.jit` wrapper: callable, with `.lower` for ahead-of-time compilation.
     """The jitted ``program(fn, strategy, args, kwargs)`` for ``options``."""
     opts = options or RunOptions()
     jit_kwargs: dict[str, Any] = {"static_argnums": (0, 1)}

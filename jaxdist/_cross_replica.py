@@ -70,7 +70,7 @@ def reduce_leaf(where: str, op: ReduceOp, leaf: Any, axis: int | None, num_repli
         ax = _check_axis(where, axis, x.ndim - 1, tuple(x.shape[1:]))
         if ax == 0 and leaf.valid is not None:
             return _masked_reduce_jit(x, leaf.valid, op)
-        axes = (0,) if ax is None else (0, ax + 1)
+        axes: tuple[int, ...] = (0,) if ax is None else (0, ax + 1)
         return _reduce_jit(x, op, axes, 1)
     mirrored = isinstance(leaf, Mirrored)
     x = leaf.array if mirrored else leaf

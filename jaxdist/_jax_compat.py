@@ -30,6 +30,7 @@ def all_gather_invariant(x: Any, axis_name: str) -> Any:
     Uses JAX's own invariant all-gather when this JAX has it (not public API),
     else an equivalent psum of a one-hot placement (more traffic, same result).
     """
+    _agi: Any
     try:
         from jax._src.lax.parallel import all_gather_invariant as _agi
     except ImportError:  # pragma: no cover - depends on the JAX release

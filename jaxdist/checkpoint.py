@@ -58,15 +58,15 @@ def from_saveable(saved: Any, template: Any) -> Any:
     in the target strategy's scope) give synchronization, aggregation and
     placement. Other leaves are placed like the template's leaf.
     """
-    saved_leaves, saved_def = jax.tree.flatten(saved)
+    saved_leaves = jax.tree.leaves(saved)
     t_leaves, t_def = jax.tree.flatten(template, is_leaf=_is_node)
-    if saved_def.num_leaves != t_def.num_leaves:
+    if len(saved_leaves) != len(t_leaves):
         raise ValueError(
-            f"jaxdist.checkpoint.from_saveable: the saved state has {saved_def.num_leaves} "
-            f"leaves but the template has {t_def.num_leaves}; build the template with the same "
+            f"jaxdist.checkpoint.from_saveable: the saved state has {len(saved_leaves)} "
+            f"leaves but the template has {len(t_leaves)}; build the template with the same "
             "structure as the state that was saved."
         )
-    out = []
+    out: list[Any] = []
     for s, t in zip(saved_leaves, t_leaves, strict=True):
         if isinstance(t, Variable):
             out.append(t.assign(s))

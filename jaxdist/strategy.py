@@ -80,6 +80,8 @@ class Strategy:
 
     __slots__ = ("_cross_device_ops", "_devices", "_gate", "_key", "_mesh")
     _devices: tuple[jax.Device, ...]
+    _gate: bool
+    _key: tuple[Any, ...]
     _mesh: Mesh
     _cross_device_ops: CrossDeviceOps
 
@@ -350,7 +352,7 @@ class Strategy:
         flat = [jax.tree_util.tree_flatten_with_path(t) for t in trees]
         treedef = flat[0][1]
         for (r, _), (_, td) in zip(local, flat, strict=True):
-            if td != treedef:
+            if td != treedef:  # type: ignore[operator]
                 raise ValueError(
                     f"{where}: value_fn returned different structures for replica {local[0][0]} "
                     f"({treedef}) and replica {r} ({td}); every replica must return the same "

@@ -396,7 +396,7 @@ class Variable:
 jax.tree_util.register_pytree_with_keys(
     Variable,
     lambda v: (((jax.tree_util.GetAttrKey("value"), v._stored),), v._meta),
-    lambda meta, children: Variable._make(children[0], meta),
+    lambda meta, children: Variable._make(next(iter(children)), meta),
     lambda v: ((v._stored,), v._meta),
 )
 

@@ -15,6 +15,7 @@ Sync, Agg = jd.VariableSynchronization, jd.VariableAggregation
 
 def _strategies() -> list:
     return [
+        pytest.param(lambda: jd.OneDeviceStrategy(), id="one_device"),
         pytest.param(lambda: jd.MirroredStrategy(jax.devices()[:2]), id="mirrored2"),
         pytest.param(lambda: jd.MirroredStrategy(), id="mirrored8"),
         pytest.param(lambda: jd.CentralStorageStrategy(), id="central8"),

@@ -196,6 +196,7 @@ class Batcher:
     def place(self, leaves: list[np.ndarray], counts: np.ndarray) -> Any:
         """The batch as a pytree of `PerReplica` leaves sharing one valid-count array."""
         full = counts is self._full_counts or bool((counts == self.b).all())
+        valid: Any
         if not self.options.experimental_fetch_to_device:
             valid = counts
             arrays: list[Any] = leaves

@@ -79,6 +79,7 @@ def _fill(
     stop: threading.Event,
 ) -> None:
     """The prefetch thread: place batches and hand them over until told to stop."""
+    item: Any
     try:
         for leaves, counts in producer:
             item = batcher.place(leaves, counts)
@@ -90,7 +91,7 @@ def _fill(
                     continue
             if stop.is_set():
                 return
-        item: Any = _END
+        item = _END
     except BaseException as e:  # handed to the consumer, which re-raises it
         item = _Failure(e)
     while not stop.is_set():

@@ -27,6 +27,7 @@ class CentralStorageStrategy(Strategy):
     """
 
     __slots__ = ("_parameter_device",)
+    _parameter_device: jax.Device
 
     def __init__(
         self, compute_devices: Sequence[Any] | None = None, parameter_device: Any = None

@@ -131,32 +131,9 @@ class Mirrored(DistributedValues):
     replica's device.
     """
 
-    __slots__ = ("valid",)
-    valid: Any
-
-    def __init__(self, array: Any, valid: Any = None) -> None:
-        super().__init__(array)
-        object.__setattr__(self, "valid", valid)
-
-    def __repr__(self) -> str:
-        if self.valid is None:
-            return f"PerReplica({self.array!r})"
-        return f"PerReplica({self.array!r}, valid={self.valid!r})"
+    __slots__ = ()
 
     def _local_components(self) -> tuple[Any, ...]:
-        rows = self._padded_components()
-        if self.valid is None or is_tracer(self.valid):
-            return rows
-        valid = np.asarray(self.valid)
-        return tuple(v[: int(valid[i])] for i, v in zip(self._local_indices(), rows, strict=True))
-
-    def _local_indices(self) -> list[int]:
-        shards = _addressable_shards(self.array)
-        if shards is None or self.array.ndim == 0:
-            return list(range(np.shape(self.array)[0]))
-        return sorted({s.index[0].indices(self.array.shape[0])[0] for s in shards})
-
-    def _padded_components(self) -> tuple[Any, ...]:
         shards = _addressable_shards(self.array)
         if shards is None:
             return (self.array,)

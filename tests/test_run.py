@@ -219,3 +219,24 @@ def test_arguments_committed_elsewhere_are_placed(mirrored8: jd.MirroredStrategy
     first = mirrored8.experimental_local_results(per8)[0]  # committed to device 0
     out = mirrored8.run(lambda ctx, a, b: a + b, args=(first, jd.PerReplica(jnp.arange(8.0))))
     np.testing.assert_allclose(out.array, np.arange(8.0))
+
+
+def test_output_kinds_and_reprs_for_every_dtype(mirrored8: jd.MirroredStrategy) -> None:
+    x = jd.PerReplica(jnp.arange(8))
+
+    def fn(ctx, x):
+        return (
+            ctx.all_reduce("max", x > 3),
+            ctx.broadcast(x > 3, 5),
+            x > 3,
+            ctx.all_reduce("min", x),
+        )
+
+    mx, bc, local, mn = mirrored8.run(fn, args=(x,))
+    assert isinstance(mx, jd.Mirrored) and repr(mx).startswith("Mirrored(") and bool(mx.array)
+    assert isinstance(bc, jd.Mirrored) and bool(bc.array)
+    assert isinstance(local, jd.PerReplica) and repr(local).startswith("PerReplica(")
+    assert local.array.tolist() == [False] * 4 + [True] * 4
+    assert int(mn.array) == 0 and mn.dtype == jnp.int32
+    assert [bool(v) for v in mirrored8.experimental_local_results(mx)] == [True] * 8
+    assert len(mx.values) == 8 and all(v.shape == () for v in mx.values)

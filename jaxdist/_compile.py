@@ -192,6 +192,8 @@ def _replicated(
     out_meta: list[Any] = []
 
     def body(*local: Any) -> list[Any]:
+        out_specs.clear()  # one entry per output of *this* trace of fn
+        out_meta.clear()
         ctx = ReplicaContext(strategy)
         ctx._valid.extend(v[0] for v in local[len(kinds) :])
         vals = [_enter(ctx, k, m, x) for (k, m), x in zip(kinds, local, strict=False)]

@@ -72,6 +72,17 @@ class OptionalValue:
         return self._value
 
 
+def _put(out: queue.Queue[Any], item: Any, stop: threading.Event) -> bool:
+    """Blocks until ``item`` is queued (True) or ``stop`` is set (False)."""
+    while not stop.is_set():
+        try:
+            out.put(item, timeout=0.1)
+            return True
+        except queue.Full:
+            continue
+    return False
+
+
 def _fill(
     producer: Iterator[tuple[list[np.ndarray], np.ndarray]],
     batcher: Batcher,
@@ -79,27 +90,14 @@ def _fill(
     stop: threading.Event,
 ) -> None:
     """The prefetch thread: place batches and hand them over until told to stop."""
-    item: Any
     try:
         for leaves, counts in producer:
-            item = batcher.place(leaves, counts)
-            while not stop.is_set():
-                try:
-                    out.put(item, timeout=0.1)
-                    break
-                except queue.Full:
-                    continue
-            if stop.is_set():
+            if not _put(out, batcher.place(leaves, counts), stop):
                 return
-        item = _END
+        last: Any = _END
     except BaseException as e:  # handed to the consumer, which re-raises it
-        item = _Failure(e)
-    while not stop.is_set():
-        try:
-            out.put(item, timeout=0.1)
-            return
-        except queue.Full:
-            continue
+        last = _Failure(e)
+    _put(out, last, stop)
 
 
 class DistributedIterator:

@@ -225,8 +225,8 @@ def _replicated(
 
 @functools.cache
 def replicated_program(options: RunOptions | None) -> Any:
-    # A `jax.jit` wrapper: callable, with `.lower` for ahead-of-time compilation.
-    """The jitted ``program(fn, strategy, args, kwargs)`` for ``options``."""
+    """The jitted ``program(fn, strategy, args, kwargs)`` for ``options`` (a `jax.jit`
+    wrapper: callable, and ``.lower`` for ahead-of-time compilation)."""
     opts = options or RunOptions()
     jit_kwargs: dict[str, Any] = {"static_argnums": (0, 1)}
     if opts.donate_args:

@@ -78,9 +78,10 @@ class Strategy:
     the methods here are shared and pure: they never change the strategy.
     """
 
-    __slots__ = ("_cross_device_ops", "_devices", "_gate", "_key", "_mesh")
+    __slots__ = ("_cross_device_ops", "_devices", "_gate", "_hash", "_key", "_mesh")
     _devices: tuple[jax.Device, ...]
     _gate: bool
+    _hash: int  # jit hashes the (static) strategy on every run: computed once
     _key: tuple[Any, ...]
     _mesh: Mesh
     _cross_device_ops: CrossDeviceOps
@@ -103,9 +104,9 @@ class Strategy:
         object.__setattr__(self, "_devices", devices)
         object.__setattr__(self, "_mesh", mesh)
         object.__setattr__(self, "_cross_device_ops", cross_device_ops)
-        object.__setattr__(
-            self, "_key", (type(self), devices, cross_device_ops, *self._extra_key())
-        )
+        key = (type(self), devices, cross_device_ops, *self._extra_key())
+        object.__setattr__(self, "_key", key)
+        object.__setattr__(self, "_hash", hash(key))
         object.__setattr__(self, "_gate", _dispatch.needs_gate(devices))
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
@@ -123,7 +124,7 @@ class Strategy:
         return isinstance(other, Strategy) and self._key == other._key
 
     def __hash__(self) -> int:
-        return hash(self._key)
+        return self._hash
 
     def __repr__(self) -> str:
         devs = ", ".join(f"{d.platform}:{d.id}" for d in self._devices)
@@ -229,7 +230,7 @@ class Strategy:
         try:
             out = program(fn, self, args, kwargs)
         except TypeError as e:
-            better = describe_bad_leaf(self, tuple(args), kwargs)
+            better = describe_bad_leaf(self, args, kwargs)
             if better is not None:
                 raise better from e
             raise

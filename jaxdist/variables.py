@@ -19,7 +19,7 @@ import contextlib
 import contextvars
 import dataclasses
 import enum
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import jax
@@ -28,7 +28,9 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxdist._cross_replica import reduce_leaf
 from jaxdist.context import current_state, get_replica_context, get_strategy
+from jaxdist.reduce import ReduceOp
 from jaxdist.values import DistributedValues, Mirrored, PerReplica
 
 if TYPE_CHECKING:
@@ -270,7 +272,16 @@ class Variable:
                 "cross-replica context. Give it an aggregation (SUM, MEAN, ONLY_FIRST_REPLICA) "
                 "or read its copies with strategy.experimental_local_results(v.device_values)."
             )
-        return self._meta.strategy._gated(lambda: _aggregate_copies(self._stored, agg))
+        if agg is Agg.ONLY_FIRST_REPLICA:
+            return self._stored[0]
+        strategy = self._meta.strategy
+        op = ReduceOp.SUM if agg is Agg.SUM else ReduceOp.MEAN
+        out = strategy._gated(
+            lambda: reduce_leaf(
+                "Variable.read_value", op, PerReplica(self._stored), None, self._stored.shape[0]
+            )
+        )
+        return out if out.dtype == self.dtype else out.astype(self.dtype)
 
     def value(self) -> Any:
         """Same as `read_value` (tf.Variable's name)."""
@@ -408,37 +419,6 @@ def _replica_ctx(method: str) -> Any:
     return ctx
 
 
-@jax.jit
-def _sum0(x: jax.Array) -> jax.Array:
-    return jnp.sum(x, axis=0)
-
-
-@jax.jit
-def _mean0(x: jax.Array) -> jax.Array:
-    return (
-        jnp.mean(x, axis=0).astype(x.dtype)
-        if jnp.issubdtype(x.dtype, jnp.integer)
-        else (jnp.mean(x, axis=0))
-    )
-
-
-def _aggregate_copies(stored: Any, agg: VariableAggregation) -> Any:
-    if agg is Agg.SUM:
-        return _sum0(stored)
-    if agg is Agg.MEAN:
-        return _mean0(stored)
-    return stored[0]
-
-
-def aggregate_copies_traced(stored: Any, agg: VariableAggregation) -> Any:
-    """`_aggregate_copies` for use inside traces (private)."""
-    if agg is Agg.SUM:
-        return jnp.sum(stored, axis=0)
-    if agg is Agg.MEAN:
-        return jnp.mean(stored, axis=0)
-    return stored[0]
-
-
 def is_distributed(x: Any) -> bool:
     """True for the leaves jaxdist treats as one distributed value: variables and
     `DistributedValues` (use as ``is_leaf`` in tree maps)."""
@@ -451,14 +431,3 @@ def as_distributed(x: Any) -> Any:
     if isinstance(x, Variable):
         return PerReplica(x._stored) if x._per_replica_storage else Mirrored(x._stored)
     return x
-
-
-def is_variable(x: Any) -> bool:
-    return isinstance(x, Variable)
-
-
-def map_variables(fn: Callable[[Variable], Any], tree: Any) -> Any:
-    """Applies ``fn`` to every `Variable` in ``tree``, leaving other leaves as they are."""
-    return jax.tree.map(
-        lambda x: fn(x) if isinstance(x, Variable) else x, tree, is_leaf=is_variable
-    )

@@ -104,6 +104,13 @@ def test_integer_variables_reject_differing_mean_updates(mirrored8: jd.MirroredS
         s = jd.Variable(jnp.int32(0), aggregation="sum")
     total = mirrored8.run(lambda ctx, v: ctx.assign(v, ctx.replica_id_in_sync_group), args=(s,))
     assert int(total.read_value()) == 28
+    with mirrored8.scope():
+        copies = jd.Variable(jnp.int32(0), synchronization="on_read", aggregation="mean")
+    copies = mirrored8.run(
+        lambda ctx, v: ctx.assign(v, ctx.replica_id_in_sync_group), args=(copies,)
+    )
+    read = copies.read_value()  # the mean of 0..7 read back in the variable's dtype
+    assert read.dtype == jnp.int32 and int(read) == 3
 
 
 ON_READ_READ = {"SUM": np.sum, "MEAN": np.mean, "ONLY_FIRST_REPLICA": lambda r: r[0]}

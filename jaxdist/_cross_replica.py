@@ -1,9 +1,10 @@
 """Cross-replica reductions and gathers on global arrays (private).
 
 Each function takes one leaf (a `PerReplica`, a `Mirrored` or a plain
-value) and returns plain arrays. On concrete arrays they run as one cached
-`jax.jit` program over the sharded global array, so XLA moves the data; in a
-``merge_fn`` they run on the gathered tracers with no extra collective.
+value) and returns plain arrays; `reduce_distributed` reduces many
+distributed leaves as one cached `jax.jit` program over the sharded global
+arrays, so XLA moves the data in one go. In a ``merge_fn`` they run on the
+gathered tracers with no extra collective.
 """
 
 from __future__ import annotations
@@ -87,6 +88,14 @@ def reduce_leaf(where: str, op: ReduceOp, leaf: Any, axis: int | None, num_repli
     axes = () if ax is None else (ax,)
     times = num_replicas if (mirrored and op is ReduceOp.SUM) else 1
     return _reduce_jit(x, op, axes, times)
+
+
+@functools.partial(jax.jit, static_argnames=("where", "op", "axis", "num_replicas"))
+def reduce_distributed(
+    leaves: list[Any], where: str, op: ReduceOp, axis: int | None, num_replicas: int
+) -> list[Any]:
+    """`reduce_leaf` of many `PerReplica`/`Mirrored` leaves as a single program."""
+    return [reduce_leaf(where, op, x, axis, num_replicas) for x in leaves]
 
 
 @functools.partial(jax.jit, static_argnames=("axis",))

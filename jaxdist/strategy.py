@@ -22,7 +22,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxdist import _dispatch
 from jaxdist._compile import LoweredStep, describe_bad_leaf, replicated_program
-from jaxdist._cross_replica import gather_leaf, reduce_leaf
+from jaxdist._cross_replica import gather_leaf, reduce_distributed, reduce_leaf
 from jaxdist._jax_compat import is_tracer
 from jaxdist.context import check_cross_replica, strategy_scope
 from jaxdist.extended import StrategyExtended
@@ -303,13 +303,25 @@ class Strategy:
         check_cross_replica(self, "reduce")
         op = ReduceOp.from_any(reduce_op, where=where)
         n = self.num_replicas_in_sync
-        return self._gated(
-            lambda: jax.tree.map(
-                lambda leaf: reduce_leaf(where, op, as_distributed(leaf), axis, n),
-                value,
-                is_leaf=is_distributed,
+        leaves, treedef = jax.tree.flatten(value, is_leaf=is_distributed)
+        leaves = [as_distributed(x) for x in leaves]
+        spread = [x for x in leaves if isinstance(x, DistributedValues)]
+
+        def compute() -> Any:
+            # Every distributed leaf in one program (one fused set of collectives);
+            # plain values are checked and reduced on their own.
+            done = iter(reduce_distributed(spread, where, op, axis, n) if spread else [])
+            return jax.tree.unflatten(
+                treedef,
+                [
+                    next(done)
+                    if isinstance(x, DistributedValues)
+                    else reduce_leaf(where, op, x, axis, n)
+                    for x in leaves
+                ],
             )
-        )
+
+        return self._gated(compute)
 
     def gather(self, value: Any, axis: int) -> Any:
         """Concatenates every replica's value along ``axis`` (cross-replica context)."""

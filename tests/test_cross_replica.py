@@ -110,3 +110,32 @@ def test_distribute_values_from_function_errors(mirrored8: jd.MirroredStrategy) 
         mirrored8.experimental_distribute_values_from_function(
             lambda c: {"a": np.zeros(c.replica_id_in_sync_group % 2 + 1)}
         )
+
+
+def test_reduce_of_a_tree_and_batch_reduce_to_run_as_one_program(
+    mirrored8: jd.MirroredStrategy, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from jaxdist import _cross_replica
+    from jaxdist._jax_compat import is_tracer
+
+    traced = []
+    kernel = _cross_replica._reduce_jit
+
+    def spy(x, *args, **kwargs):
+        traced.append(is_tracer(x))  # False would mean a separate eager program per leaf
+        return kernel(x, *args, **kwargs)
+
+    monkeypatch.setattr(_cross_replica, "_reduce_jit", spy)
+    grads = {"w": jd.PerReplica(jnp.ones((8, 13, 3))), "b": jd.PerReplica(jnp.ones((8, 13)))}
+    programs = _cross_replica.reduce_distributed._cache_size()
+    out = mirrored8.reduce("sum", grads)
+    np.testing.assert_allclose(out["w"], np.full((13, 3), 8.0))
+    pairs = [
+        (grads["w"], grads["w"]),
+        (grads["b"], grads["b"]),
+        (jd.PerReplica(jnp.ones((8, 7))), None),
+    ]
+    reduced = mirrored8.extended.batch_reduce_to("mean", pairs)
+    np.testing.assert_allclose(reduced[2].array, np.ones(7))
+    assert traced and all(traced)  # each leaf reduced only inside the fused program's trace
+    assert _cross_replica.reduce_distributed._cache_size() == programs + 2  # one per call

@@ -166,8 +166,9 @@ class Batcher:
 
     def from_per_replica(
         self, elements: Sequence[Any | None]
-    ) -> tuple[list[np.ndarray], np.ndarray]:
-        """Stacks one per-replica batch per local replica (None: that replica got none)."""
+    ) -> tuple[list[np.ndarray], np.ndarray] | None:
+        """Stacks one per-replica batch per local replica (None: that replica got none);
+        ``None`` when the partial-batch policy drops the step."""
         leaf_lists = [None if e is None else self.leaves(e, per_replica=True) for e in elements]
         present = [ls for ls in leaf_lists if ls is not None]
         if self.b is None:
@@ -181,6 +182,9 @@ class Batcher:
                 "input_context.get_per_replica_batch_size(global_batch_size) rows; did it "
                 "yield global batches?"
             )
+        full = len(elements) * b
+        if counts.sum() < full and not self._partial(int(counts.sum()), full):
+            return None
         out = []
         assert self.row_shapes is not None
         for j, (shape, dtype) in enumerate(self.row_shapes):

@@ -126,11 +126,8 @@ def distribute_from_function(
                 elements += [None] * (n_local - len(elements))
             if all(e is None for e in elements):
                 return
-            leaves, counts = batcher.from_per_replica(elements)
-            if (counts < batcher.b).any() and not batcher._partial(
-                int(counts.sum()), n_local * int(batcher.b or 0)
-            ):
-                continue
-            yield leaves, counts
+            host = batcher.from_per_replica(elements)
+            if host is not None:
+                yield host
 
     return DistributedDataset(producer, lambda: Batcher(strategy, options, where))

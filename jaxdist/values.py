@@ -94,34 +94,32 @@ class PerReplica(DistributedValues):
         return f"PerReplica({self.array!r}, valid={self.valid!r})"
 
     def _local_components(self) -> tuple[Any, ...]:
-        rows = self._padded_components()
+        rows = self._local_rows()
         if self.valid is None or is_tracer(self.valid):
-            return rows
+            return tuple(row for _, row in rows)
         valid = np.asarray(self.valid)
-        return tuple(v[: int(valid[i])] for i, v in zip(self._local_indices(), rows, strict=True))
+        return tuple(row[: int(valid[r])] for r, row in rows)
 
-    def _local_indices(self) -> list[int]:
+    def _local_rows(self) -> list[tuple[int, Any]]:
+        """``(replica, padded row)`` for each replica of this process, in replica order."""
         shards = _addressable_shards(self.array)
         if shards is None or self.array.ndim == 0:
-            return list(range(np.shape(self.array)[0]))
-        return sorted({s.index[0].indices(self.array.shape[0])[0] for s in shards})
-
-    def _padded_components(self) -> tuple[Any, ...]:
-        shards = _addressable_shards(self.array)
-        if shards is not None and self.array.ndim > 0:
-            rows = {s.index[0].indices(self.array.shape[0]) for s in shards}
-            if all(stop - start == 1 for start, stop, _ in rows) and len(rows) == len(shards):
-                ordered = sorted(shards, key=lambda s: s.index[0].indices(self.array.shape[0])[0])
-                return tuple(s.data[0] for s in ordered)
-            if len(shards) == 1 or self.array.is_fully_addressable:
-                return tuple(self.array[i] for i in range(self.array.shape[0]))
-            raise ValueError(
-                "PerReplica.values: the array is split across processes in a layout that is "
-                f"not one row per device (shape {self.shape}, sharding "
-                f"{self.array.sharding}); use Strategy.experimental_local_results instead."
+            arr = self.array if is_tracer(self.array) else np.asarray(self.array)
+            return [(r, arr[r]) for r in range(arr.shape[0])]
+        n = self.array.shape[0]
+        spans = [s.index[0].indices(n)[:2] for s in shards]
+        if all(stop - start == 1 for start, stop in spans) and len(set(spans)) == len(shards):
+            return sorted(
+                ((start, s.data[0]) for (start, _), s in zip(spans, shards, strict=True)),
+                key=lambda pair: pair[0],
             )
-        arr = self.array if shards is not None or is_tracer(self.array) else np.asarray(self.array)
-        return tuple(arr[i] for i in range(arr.shape[0]))
+        if self.array.is_fully_addressable:
+            return [(r, self.array[r]) for r in range(n)]
+        raise ValueError(
+            "PerReplica.values: the array is split across processes in a layout that is "
+            f"not one row per device (shape {self.shape}, sharding "
+            f"{self.array.sharding}); use Strategy.experimental_local_results instead."
+        )
 
 
 class Mirrored(DistributedValues):

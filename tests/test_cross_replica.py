@@ -139,3 +139,24 @@ def test_reduce_of_a_tree_and_batch_reduce_to_run_as_one_program(
     np.testing.assert_allclose(reduced[2].array, np.ones(7))
     assert traced and all(traced)  # each leaf reduced only inside the fused program's trace
     assert _cross_replica.reduce_distributed._cache_size() == programs + 2  # one per call
+
+
+def test_padded_per_replica_values_in_any_layout(mirrored8: jd.MirroredStrategy) -> None:
+    array = np.arange(6.0).reshape(3, 2)
+    valid = np.array([2, 1, 0])
+    sharded = jax.device_put(
+        np.arange(16.0).reshape(8, 2),
+        jax.sharding.NamedSharding(mirrored8.mesh, jax.sharding.PartitionSpec("replica")),
+    )
+    for v, rows in [
+        (
+            jd.PerReplica(jnp.asarray(array), valid=jnp.asarray(valid)),
+            [[0.0, 1.0], [2.0], []],
+        ),  # one device
+        (jd.PerReplica(array, valid=valid), [[0.0, 1.0], [2.0], []]),  # host NumPy
+        (
+            jd.PerReplica(sharded, valid=jnp.arange(8) % 3),
+            [list(np.arange(16.0).reshape(8, 2)[r][: r % 3]) for r in range(8)],
+        ),
+    ]:
+        assert [np.asarray(x).tolist() for x in v.values] == rows

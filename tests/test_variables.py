@@ -309,6 +309,11 @@ def test_strategy_extended(mirrored8: jd.MirroredStrategy) -> None:
         with ext.colocate_vars_with(w):
             w2 = jd.Variable(jnp.zeros(2))
     assert w2.device_values.sharding == w.device_values.sharding
+    with jd.OneDeviceStrategy(jax.devices()[3]).scope():
+        on_dev3 = jd.Variable(jnp.ones(2))
+    with mirrored8.scope(), ext.colocate_vars_with(on_dev3):
+        near = jd.Variable(jnp.zeros(2))  # not replicated: placed with on_dev3
+    assert near.device_values.devices() == {jax.devices()[3]}
     assert ext.variable_created_in_scope(w) and not ext.variable_created_in_scope(jd.Variable(1.0))
     assert not jd.OneDeviceStrategy().extended.variable_created_in_scope(w)
     assert ext.value_container(w) is w

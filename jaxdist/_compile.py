@@ -1,19 +1,25 @@
-"""The run path: one `jax.jit` of one `jax.shard_map` per function and signature (private).
+"""The run path: a replica function traced once into `jax.shard_map` (private).
 
-`replicated_program(options)` returns a jitted callable
-``program(fn, strategy, args, kwargs)`` whose first two arguments are static.
-Tracing it flattens the arguments (distributed values at the leaves), maps
-`PerReplica` leaves over the replica axis and broadcasts the rest, traces
-``fn`` once inside `jax.shard_map`, and picks each output's spec from its
-varying-axes type: invariant outputs come back `Mirrored`, varying ones
-`PerReplica`. jit caches the result, so a second call with the same function
-and argument shapes costs one C++ dispatch.
+`replicated(fn, strategy, args, kwargs)` is traced under `jax.jit` (see
+`jaxdist._programs` for the cache of jitted programs). It flattens the
+arguments (distributed values and variables at the leaves), maps `PerReplica`
+leaves over the replica axis and broadcasts the rest, and traces ``fn`` once
+inside `jax.shard_map`.
+
+The replica function is first traced to a jaxpr, which `jaxdist._invariance`
+reads to learn which outputs are the same on every replica; the jaxpr is then
+evaluated inside the ``shard_map`` body. An output that is the same on every
+replica leaves the body with a replicated spec (one copy, no collective) and
+comes back `Mirrored` (a plain array with one replica, or when the caller asks
+for plain arrays); any other comes back `PerReplica`, carrying the valid-row
+counts of the padded batch it was computed from, if any.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -22,10 +28,10 @@ import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from jaxdist._jax_compat import varying_axes
-from jaxdist._replica_updates import mirror_of, register_mirror
+from jaxdist._invariance import analyze, assume_invariant
+from jaxdist._jax_compat import eval_jaxpr, varying_axes
+from jaxdist._replica_updates import register_mirror, varying_variable_error
 from jaxdist.context import ReplicaContext, replica_scope
-from jaxdist.options import RunOptions
 from jaxdist.values import DistributedValues, Mirrored, PerReplica
 from jaxdist.variables import Variable, is_distributed
 
@@ -48,6 +54,22 @@ class _Static:
 jax.tree_util.register_pytree_node(_Static, lambda s: ((), s.value), lambda value, _: value)
 
 
+class Synced:
+    """An output leaf that must come back as one replicated copy (private).
+
+    Used for state updated in place by `jaxdist.train_step` (NNX variables). A
+    value that differs between replicas is averaged across them when it is a
+    float (like tf.distribute's ``ON_READ`` ``MEAN`` statistics); otherwise it
+    is an error naming ``what``.
+    """
+
+    __slots__ = ("value", "what")
+
+    def __init__(self, value: Any, what: str) -> None:
+        self.value = value
+        self.what = what
+
+
 def path_str(path: Sequence[Any]) -> str:
     """``args[0]['x']`` / ``kwargs['lr']`` for a key path into ``(args, kwargs)``."""
     if not path:
@@ -68,12 +90,20 @@ def describe_bad_leaf(strategy: Strategy, args: Any, kwargs: Any) -> TypeError |
     for path, leaf in jax.tree_util.tree_flatten_with_path((args, kwargs), is_leaf=is_distributed)[
         0
     ]:
-        if not isinstance(leaf, (*_ARRAY_TYPES, DistributedValues, Variable)):
+        bad = not isinstance(leaf, (*_ARRAY_TYPES, DistributedValues, Variable))
+        if not bad and isinstance(leaf, (np.ndarray, np.generic)):
+            bad = leaf.dtype.kind in "USOV"  # strings, objects, raw bytes
+        if bad:
+            what = (
+                f"an array of dtype {leaf.dtype}"
+                if isinstance(leaf, (np.ndarray, np.generic))
+                else f"a {type(leaf).__name__} ({leaf!r:.60})"
+            )
             return TypeError(
-                f"{type(strategy).__name__}.run: {path_str(path)} is a {type(leaf).__name__} "
-                f"({leaf!r:.60}), not an array. Arguments of run must be pytrees of arrays or "
-                "Python numbers. Close over other objects (or bind them with functools.partial "
-                "outside the training loop, so the function keeps its identity)."
+                f"{type(strategy).__name__}.run: {path_str(path)} is {what}, not an array of "
+                "numbers. Arguments of run must be pytrees of numeric arrays or Python numbers. "
+                "Close over other objects (or bind them with functools.partial outside the "
+                "training loop, so the function keeps its identity)."
             )
     return None
 
@@ -89,9 +119,27 @@ def _replica_axis_error(strategy: Strategy, path: Any, what: str, shape: Any) ->
     )
 
 
-def _flatten_inputs(
-    strategy: Strategy, args: tuple[Any, ...], kwargs: dict[str, Any]
-) -> tuple[list[Any], list[P], list[tuple[int, Any]], Any]:
+def _foreign_variable_error(strategy: Strategy, path: Any, var: Variable) -> ValueError:
+    return ValueError(
+        f"{type(strategy).__name__}.run: {path_str(path)} is variable {var.name!r}, created in "
+        f"the scope of {var.strategy!r}, but it is being run by {strategy!r}. A variable is "
+        "placed by the strategy whose scope created it; create it inside this strategy's "
+        "scope(), or move its value over with jd.checkpoint.to_saveable / from_saveable."
+    )
+
+
+@dataclasses.dataclass
+class _Inputs:
+    flat: list[Any]
+    specs: list[P]
+    kinds: list[tuple[int, Any]]
+    treedef: Any
+    valid: list[Any]  # the distinct valid-count arrays of padded batches
+    valid_replicated: list[bool]
+    valid_rows: list[int]  # per-replica rows of the batch each belongs to
+
+
+def _flatten_inputs(strategy: Strategy, args: tuple[Any, ...], kwargs: dict[str, Any]) -> _Inputs:
     n = strategy.num_replicas_in_sync
     axis = strategy.axis_name
     with_path, treedef = jax.tree_util.tree_flatten_with_path(
@@ -100,20 +148,23 @@ def _flatten_inputs(
     flat: list[Any] = []
     specs: list[P] = []
     kinds: list[tuple[int, Any]] = []
-    valid: list[Any] = []
+    valid: dict[int, tuple[Any, int]] = {}
     for path, leaf in with_path:
         if isinstance(leaf, Variable):
+            meta = leaf._meta
+            if meta.created_in_scope and meta.strategy != strategy:
+                raise _foreign_variable_error(strategy, path, leaf)
             arr = leaf._stored
             if leaf.is_on_read:
                 if arr.ndim == 0 or arr.shape[0] != n:
                     raise _replica_axis_error(strategy, path, "an ON_READ Variable", arr.shape)
                 flat.append(arr)
                 specs.append(P(axis))
-                kinds.append((_ON_READ, leaf._meta))
+                kinds.append((_ON_READ, meta))
             else:
                 flat.append(arr)
                 specs.append(P())
-                kinds.append((_ON_WRITE, leaf._meta))
+                kinds.append((_ON_WRITE, meta))
         elif isinstance(leaf, PerReplica):
             arr = leaf.array
             if arr.ndim == 0 or arr.shape[0] != n:
@@ -121,18 +172,28 @@ def _flatten_inputs(
             flat.append(arr)
             specs.append(P(axis))
             kinds.append((_PER_REPLICA, None))
-            if leaf.valid is not None:
-                valid.append(leaf.valid)
+            if leaf.valid is not None and id(leaf.valid) not in valid:
+                valid[id(leaf.valid)] = (leaf.valid, arr.shape[1] if arr.ndim > 1 else -1)
         else:
             flat.append(leaf.array if isinstance(leaf, Mirrored) else leaf)
             specs.append(P())
             kinds.append((_BROADCAST, None))
-    # The valid-row counts of padded batches ride along as extra per-replica inputs;
-    # one array shared by a batch's leaves is passed once.
-    unique_valid = list({id(v): v for v in valid}.values())
-    flat.extend(unique_valid)
-    specs.extend([P(axis)] * len(unique_valid))
-    return flat, specs, kinds, treedef
+    # The valid-row counts of padded batches ride along as extra inputs, one per batch:
+    # replicated (every replica sees all counts) unless they arrive split by replica.
+    groups = list(valid.values())
+    replicated = [_is_replicated(v) for v, _ in groups]
+    flat.extend(v for v, _ in groups)
+    specs.extend(P() if rep else P(axis) for rep in replicated)
+    return _Inputs(
+        flat, specs, kinds, treedef, [v for v, _ in groups], replicated, [b for _, b in groups]
+    )
+
+
+def _is_replicated(x: Any) -> bool:
+    sharding = getattr(x, "sharding", None)
+    if sharding is None:  # a tracer or a host array: jit places it as asked
+        return True
+    return bool(sharding.is_fully_replicated)
 
 
 def _enter(ctx: ReplicaContext, kind: int, meta: Any, x: Any) -> Any:
@@ -143,126 +204,245 @@ def _enter(ctx: ReplicaContext, kind: int, meta: Any, x: Any) -> Any:
         return Variable._make(x[0], dataclasses.replace(meta, local=True))
     if kind == _ON_WRITE:
         return Variable._make(register_mirror(ctx, x), dataclasses.replace(meta, local=True))
-    if axis in varying_axes(x):
+    if set(_axes(axis)) <= varying_axes(x):
         return x
     # Broadcast inputs become per-replica values, so jax.grad inside fn gives each
     # replica its own gradient (as tf.distribute does) instead of one already summed
-    # over replicas.
+    # over replicas. Whatever is computed from them alone is still recognised as the
+    # same on every replica when the function returns (jaxdist._invariance).
     return lax.pcast(x, axis, to="varying")
 
 
-def _exit(ctx: ReplicaContext, leaf: Any, specs: list[P], meta: list[Any]) -> Any:
-    """Returns the array to hand out of shard_map for one output leaf (or None)."""
-    axis = ctx.axis_name
+def _axes(axis: str | tuple[str, ...]) -> tuple[str, ...]:
+    return (axis,) if isinstance(axis, str) else tuple(axis)
+
+
+# Output leaf kinds, recorded while fn is traced.
+_OUT_ARRAY, _OUT_ON_WRITE, _OUT_ON_READ, _OUT_SYNCED = range(4)
+
+
+@dataclasses.dataclass
+class _Trace:
+    """What one trace of the replica function found (filled during tracing)."""
+
+    out_tree: Any = None
+    leaves: list[Any] = dataclasses.field(default_factory=list)  # _Static or (kind, meta)
+    specs: list[P] = dataclasses.field(default_factory=list)
+    makers: list[Any] = dataclasses.field(default_factory=list)
+
+
+def _check_signature(strategy: Strategy, fn: Callable[..., Any], args: Any, kwargs: Any) -> None:
+    """Explains a replica function that does not take the context first."""
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return
+    try:
+        sig.bind(None, *args, **kwargs)
+    except TypeError as e:
+        try:
+            sig.bind(*args, **kwargs)
+        except TypeError:
+            raise TypeError(
+                f"{type(strategy).__name__}.run: cannot call {getattr(fn, '__name__', fn)!r}"
+                f"{sig} with the ReplicaContext and {len(args)} positional argument(s) and "
+                f"keywords {sorted(kwargs)}: {e}."
+            ) from None
+        name = getattr(fn, "__name__", "fn")
+        params = ", ".join(["ctx", *list(sig.parameters)])
+        raise TypeError(
+            f"{type(strategy).__name__}.run: {name}{sig} does not take the replica context. "
+            "jaxdist passes the ReplicaContext as the first argument (TF's "
+            "get_replica_context() made explicit); write it as "
+            f"`def {name}({params}): ...` and use ctx.all_reduce / "
+            "ctx.replica_id_in_sync_group inside."
+        ) from None
+
+
+def _call(strategy: Strategy, fn: Callable[..., Any], ctx: ReplicaContext, a: Any, k: Any) -> Any:
+    try:
+        return fn(ctx, *a, **k)
+    except jax.errors.ConcretizationTypeError as e:
+        e.add_note(
+            f"jaxdist: {type(strategy).__name__}.run traces the replica function once for "
+            "all replicas, so Python control flow cannot depend on per-replica values "
+            "(such as ctx.replica_id_in_sync_group); every replica must return the same "
+            "structure. Use jnp.where or jax.lax.cond instead."
+        )
+        raise
+    except TypeError:
+        _check_signature(strategy, fn, a, k)
+        raise
+
+
+def _out_leaf(leaf: Any, trace: _Trace, strategy: Strategy) -> Any:
+    """The array to hand out for one output leaf (None for a static leaf)."""
     if isinstance(leaf, Variable):
-        out_meta = dataclasses.replace(leaf._meta, local=False)
         if leaf.is_on_read:
-            x = leaf._stored
-            if axis not in varying_axes(x):
-                x = lax.pcast(x, axis, to="varying")
-            specs.append(P(axis))
-            meta.append(functools.partial(Variable._make, meta=out_meta))
-            return x[None]
-        specs.append(P())
-        meta.append(functools.partial(Variable._make, meta=out_meta))
-        return mirror_of(ctx, leaf, f"{type(ctx.strategy).__name__}.run")
+            trace.leaves.append((_OUT_ON_READ, leaf._meta))
+        else:
+            trace.leaves.append((_OUT_ON_WRITE, leaf._meta))
+        return leaf._stored
+    if isinstance(leaf, Synced):
+        trace.leaves.append((_OUT_SYNCED, leaf.what))
+        return jax.numpy.asarray(leaf.value)
     if isinstance(leaf, DistributedValues):
         raise TypeError(
-            f"{type(ctx.strategy).__name__}.run: the replica function returned a "
+            f"{type(strategy).__name__}.run: the replica function returned a "
             f"{type(leaf).__name__}; return plain arrays, run wraps them."
         )
     if isinstance(leaf, (jax.Array, np.ndarray, np.generic)):
-        leaf = jax.numpy.asarray(leaf)
-        if axis in varying_axes(leaf):
-            specs.append(P(axis))
-            meta.append(PerReplica)
-            return leaf[None]
-        specs.append(P())
-        meta.append(Mirrored)
-        return leaf
-    meta.append(_Static(leaf))
+        trace.leaves.append((_OUT_ARRAY, None))
+        return jax.numpy.asarray(leaf)
+    trace.leaves.append(_Static(leaf))
     return None
 
 
-def _replicated(
-    fn: Callable[..., Any], strategy: Strategy, args: tuple[Any, ...], kwargs: dict[str, Any]
-) -> Any:
-    flat, in_specs, kinds, treedef = _flatten_inputs(strategy, args, kwargs)
-    out_specs: list[P] = []  # filled while fn is traced; shard_map reads it afterwards
-    out_meta: list[Any] = []
+def _is_out_leaf(x: Any) -> bool:
+    return isinstance(x, (DistributedValues, Variable, Synced))
 
-    def body(*local: Any) -> list[Any]:
-        out_specs.clear()  # one entry per output of *this* trace of fn
-        out_meta.clear()
+
+def replicated(
+    fn: Callable[..., Any],
+    strategy: Strategy,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    *,
+    plain: bool = False,
+) -> Any:
+    """Traces ``fn(ctx, *args, **kwargs)`` over the strategy's replicas (under jit).
+
+    With ``plain``, outputs that are the same on every replica come back as
+    plain replicated arrays rather than `Mirrored`.
+    """
+    inputs = _flatten_inputs(strategy, args, kwargs)
+    axis = strategy.axis_name
+    n = strategy.num_replicas_in_sync
+    n_args = len(inputs.kinds)
+    n_valid = len(inputs.valid)
+    trace = _Trace()
+
+    def traced(*local: Any) -> list[Any]:
+        trace.leaves.clear()
         ctx = ReplicaContext(strategy)
-        ctx._valid.extend(v[0] for v in local[len(kinds) :])
-        vals = [_enter(ctx, k, m, x) for (k, m), x in zip(kinds, local, strict=False)]
-        a, k = jax.tree.unflatten(treedef, vals)
-        with replica_scope(ctx):
-            try:
-                out = fn(ctx, *a, **k)
-            except jax.errors.ConcretizationTypeError as e:
-                e.add_note(
-                    f"jaxdist: {type(strategy).__name__}.run traces the replica function once for "
-                    "all replicas, so Python control flow cannot depend on per-replica values "
-                    "(such as ctx.replica_id_in_sync_group); every replica must return the same "
-                    "structure. Use jnp.where or jax.lax.cond instead."
-                )
-                raise
-            leaves, out_tree = jax.tree.flatten(out, is_leaf=is_distributed)
-            arrays = [_exit(ctx, leaf, out_specs, out_meta) for leaf in leaves]
-        out_meta.append(out_tree)
+        for j in range(n_valid):
+            ctx._set_valid(local[n_args + j], inputs.valid_replicated[j])
+        vals = [_enter(ctx, k, m, x) for (k, m), x in zip(inputs.kinds, local, strict=False)]
+        a, k = jax.tree.unflatten(inputs.treedef, vals)
+        try:
+            with replica_scope(ctx):
+                out = _call(strategy, fn, ctx, a, k)
+                leaves, trace.out_tree = jax.tree.flatten(out, is_leaf=_is_out_leaf)
+                arrays = [_out_leaf(leaf, trace, strategy) for leaf in leaves]
+        finally:
+            ctx._close()
         return [a for a in arrays if a is not None]
 
-    outs = jax.shard_map(body, mesh=strategy.mesh, in_specs=tuple(in_specs), out_specs=out_specs)(
-        *flat
-    )
-    *makers, out_tree = out_meta
-    it = iter(outs)
-    wrapped = [m if isinstance(m, _Static) else m(next(it)) for m in makers]
-    return jax.tree.unflatten(out_tree, wrapped)
+    def body(*local: Any) -> list[Any]:
+        closed = jax.make_jaxpr(traced)(*local)
+        tracked = list(range(n_args, n_args + n_valid))
+        infos = analyze(closed.jaxpr, axis, tracked)
+        outs = eval_jaxpr(closed.jaxpr, closed.consts, *local)
+        trace.specs.clear()
+        trace.makers.clear()
+        kinds = [leaf for leaf in trace.leaves if not isinstance(leaf, _Static)]
+        return [
+            _finish(strategy, x, info, kind, inputs, trace, plain or n == 1)
+            for x, info, kind in zip(outs, infos, kinds, strict=True)
+        ]
+
+    outs = jax.shard_map(
+        body, mesh=strategy.mesh, in_specs=tuple(inputs.specs), out_specs=trace.specs
+    )(*inputs.flat)
+    it = iter(zip(outs, trace.makers, strict=True))
+    wrapped = []
+    for leaf in trace.leaves:
+        if isinstance(leaf, _Static):
+            wrapped.append(leaf.value)
+        else:
+            x, maker = next(it)
+            wrapped.append(maker(x))
+    return jax.tree.unflatten(trace.out_tree, wrapped)
 
 
-@functools.cache
-def replicated_program(options: RunOptions | None) -> Any:
-    """The jitted ``program(fn, strategy, args, kwargs)`` for ``options`` (a `jax.jit`
-    wrapper: callable, and ``.lower`` for ahead-of-time compilation)."""
-    opts = options or RunOptions()
-    jit_kwargs: dict[str, Any] = {"static_argnums": (0, 1)}
-    if opts.donate_args:
-        jit_kwargs["donate_argnums"] = (2, 3)
-    if opts.experimental_xla_options:
-        jit_kwargs["compiler_options"] = dict(opts.experimental_xla_options)
-    return jax.jit(_replicated, **jit_kwargs)
+def _identity(x: Any) -> Any:
+    return x
 
 
-class CompiledStep:
-    """A replica function compiled ahead of time; call it with the step's arguments."""
+def _finish(
+    strategy: Strategy,
+    x: Any,
+    info: Any,
+    kind: tuple[int, Any],
+    inputs: _Inputs,
+    trace: _Trace,
+    plain: bool,
+) -> Any:
+    """One output of the body: its spec and maker go to ``trace``; returns the array."""
+    axis = strategy.axis_name
+    axes = _axes(axis)
+    out_kind, meta = kind
+    typed_varying = bool(set(axes) & varying_axes(x))
+    if info.varying and not typed_varying:
+        # Typed invariant, yet replicas reached it through different control flow (a
+        # while loop with a per-replica trip count): it is per-replica data.
+        x = lax.pcast(x, axis, to="varying")
+        typed_varying = True
+    same_everywhere = not info.varying
+    n = strategy.num_replicas_in_sync
+    if out_kind == _OUT_ON_READ:
+        if not typed_varying:
+            x = lax.pcast(x, axis, to="varying")
+        trace.specs.append(P(axis))
+        trace.makers.append(
+            functools.partial(Variable._make, meta=dataclasses.replace(meta, local=False))
+        )
+        return x[None]
+    if out_kind in (_OUT_ON_WRITE, _OUT_SYNCED) and not same_everywhere:
+        if n == 1:
+            same_everywhere = True
+        elif out_kind == _OUT_SYNCED and jax.numpy.issubdtype(x.dtype, jax.numpy.inexact):
+            x = lax.pmean(x, axis)  # per-replica statistics: averaged, as ON_READ MEAN
+            typed_varying = False
+            same_everywhere = True
+        elif out_kind == _OUT_SYNCED:
+            raise ValueError(
+                f"jaxdist.train_step: {meta} differs between replicas after the step and is "
+                "not a float, so it cannot be averaged back into one copy. Update it from "
+                "values that are the same on every replica (for example results of "
+                "ctx.all_reduce), or keep per-replica state out of the model."
+            )
+        else:
+            raise varying_variable_error(meta, f"{type(strategy).__name__}.run")
+    group = None if same_everywhere else _valid_group(x, info, inputs)
+    if same_everywhere or (n == 1 and group is None):
+        if typed_varying:
+            x = assume_invariant(x, axis)
+        trace.specs.append(P())
+        if out_kind == _OUT_ON_WRITE:
+            trace.makers.append(
+                functools.partial(Variable._make, meta=dataclasses.replace(meta, local=False))
+            )
+        elif out_kind == _OUT_SYNCED or plain or n == 1:
+            trace.makers.append(_identity)
+        else:
+            trace.makers.append(Mirrored)
+        return x
+    trace.specs.append(P(axis))
+    if group is None:
+        trace.makers.append(PerReplica)
+    else:
+        trace.makers.append(functools.partial(PerReplica, valid=inputs.valid[group]))
+    return x[None]
 
-    def __init__(self, compiled: Any) -> None:
-        self._compiled = compiled
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return self._compiled(args, kwargs)
-
-    def as_text(self) -> str:
-        return self._compiled.as_text()
-
-    def __getattr__(self, name: str) -> Any:  # cost_analysis, memory_analysis, ...
-        return getattr(self._compiled, name)
-
-
-class LoweredStep:
-    """A replica function lowered for given arguments (``strategy.function(f).lower(...)``)."""
-
-    def __init__(self, lowered: Any) -> None:
-        self._lowered = lowered
-
-    def compile(self) -> CompiledStep:
-        return CompiledStep(self._lowered.compile())
-
-    def as_text(self) -> str:
-        return self._lowered.as_text()
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._lowered, name)
+def _valid_group(x: Any, info: Any, inputs: _Inputs) -> int | None:
+    """The padded batch whose valid counts a per-replica output inherits, if any: the
+    output depends on it and has its per-replica row count as leading dimension."""
+    if not info.deps or not np.ndim(x):
+        return None
+    rows = x.shape[0]
+    for j, b in enumerate(inputs.valid_rows):
+        if info.deps >> j & 1 and rows == b:
+            return j
+    return None

@@ -12,11 +12,23 @@ import jax
 
 def varying_axes(x: Any) -> frozenset[str]:
     """Mesh axes along which the traced value ``x`` may differ (empty: invariant)."""
-    aval = jax.typeof(x)
+    return aval_varying_axes(jax.typeof(x))
+
+
+def aval_varying_axes(aval: Any) -> frozenset[str]:
+    """`varying_axes` of an abstract value (empty for tokens and other non-arrays)."""
     mat = getattr(aval, "manual_axis_type", None) or getattr(aval, "mat", None)
     if mat is not None:
         return frozenset(mat.varying)
     return frozenset(getattr(aval, "vma", frozenset()))
+
+
+def with_varying_axes(aval: Any, axes: frozenset[str]) -> Any:
+    """``aval`` with its varying axes replaced by ``axes``."""
+    mat = getattr(aval, "manual_axis_type", None)
+    if mat is not None:
+        return aval.update(manual_axis_type=mat.update(varying=frozenset(axes)))
+    return aval.update(vma=frozenset(axes))  # pragma: no cover - older JAX
 
 
 def is_tracer(x: Any) -> bool:
@@ -41,3 +53,8 @@ def all_gather_invariant(x: Any, axis_name: str) -> Any:
     idx = jax.lax.axis_index(axis_name)
     slot = jax.numpy.zeros((n, *jax.numpy.shape(x)), jax.numpy.result_type(x))
     return jax.lax.psum(slot.at[idx].set(x), axis_name)
+
+
+def eval_jaxpr(jaxpr: Any, consts: Any, *args: Any) -> list[Any]:
+    """Evaluates an open jaxpr on ``args`` in the current trace (binding its primitives)."""
+    return list(jax.core.eval_jaxpr(jaxpr, consts, *args))

@@ -39,11 +39,17 @@ def mirror_of(ctx: ReplicaContext, var: Variable, where: str) -> Any:
     entry = ctx._mirrors.get(id(value))
     if entry is not None and entry[0] is value:
         return entry[1]
-    raise ValueError(
-        f"{where}: mirrored (ON_WRITE) variable {var.name!r} holds a value that differs "
+    raise varying_variable_error(var._meta, where)
+
+
+def varying_variable_error(meta: Any, where: str) -> ValueError:
+    """The error for a mirrored variable whose value came to differ between replicas."""
+    return ValueError(
+        f"{where}: mirrored (ON_WRITE) variable {meta.name!r} holds a value that differs "
         "across replicas: it was changed by per-replica arithmetic (for example jax.tree.map "
-        "over the variable). Update mirrored variables with ctx.assign / ctx.assign_add / "
-        "ctx.assign_sub, which aggregate the per-replica updates."
+        "over the variable with this replica's gradient). Update mirrored variables with "
+        "ctx.assign / ctx.assign_add / ctx.assign_sub, which aggregate the per-replica "
+        "updates, or from values that are the same on every replica (ctx.all_reduce)."
     )
 
 

@@ -122,10 +122,33 @@ class ReplicaContext:
     _mirrors: dict[int, tuple[Any, Any]] = dataclasses.field(
         default_factory=dict, compare=False, hash=False, repr=False
     )
-    # This replica's valid-row counts of the padded batches among the arguments.
-    _valid: list[Any] = dataclasses.field(
+    # The valid-row counts of the padded batches among the arguments, one entry per
+    # batch: (counts, replicated) where counts is every replica's (replicated) or this
+    # replica's (not replicated) count.
+    _valid: list[tuple[Any, bool]] = dataclasses.field(
         default_factory=list, compare=False, hash=False, repr=False
     )
+    # [True] while the replica function is being traced; [False] once run returned.
+    _live: list[bool] = dataclasses.field(
+        default_factory=lambda: [True], compare=False, hash=False, repr=False
+    )
+
+    def _set_valid(self, counts: Any, replicated: bool) -> None:
+        self._valid.append((counts, replicated))
+
+    def _close(self) -> None:
+        self._live[0] = False
+
+    def _check_live(self, method: str) -> None:
+        if not self._live[0]:
+            name = type(self.strategy).__name__
+            raise RuntimeError(
+                f"ReplicaContext.{method}: this context belongs to a call of {name}.run that "
+                "has already returned. A ReplicaContext is only valid inside the replica "
+                "function it was passed to, while that function runs; do not keep it (or "
+                "closures over it) for later. After run, reduce its outputs with "
+                f"{name}.reduce / experimental_local_results."
+            )
 
     @property
     def axis_name(self) -> str:
@@ -139,6 +162,7 @@ class ReplicaContext:
     @property
     def replica_id_in_sync_group(self) -> jax.Array:
         """This replica's index in ``[0, num_replicas_in_sync)`` (a traced int32)."""
+        self._check_live("replica_id_in_sync_group")
         if not self._bound:
             return jnp.int32(0)
         return lax.axis_index(self.axis_name)
@@ -151,7 +175,27 @@ class ReplicaContext:
         with ``valid`` counts; the first such batch if there are several);
         ``None`` otherwise. Only the last, partial batch of a dataset has padding.
         """
-        return self._valid[0] if self._valid else None
+        self._check_live("num_valid")
+        if not self._valid:
+            return None
+        counts, replicated = self._valid[0]
+        return counts[lax.axis_index(self.axis_name)] if replicated else counts[0]
+
+    @property
+    def global_num_valid(self) -> jax.Array | None:
+        """Data rows of the whole global batch, over all replicas (traced int32).
+
+        ``None`` when no argument carries valid counts. Batches from
+        `experimental_distribute_dataset` carry every replica's count, so this
+        costs no communication; otherwise it is one small all-reduce.
+        """
+        self._check_live("global_num_valid")
+        if not self._valid:
+            return None
+        counts, replicated = self._valid[0]
+        if replicated:
+            return jnp.sum(counts)
+        return lax.psum(counts[0], self.axis_name)
 
     def valid_mask(self, rows: int) -> jax.Array:
         """A boolean mask of shape ``(rows,)``: True for data rows of this replica's batch.
@@ -160,7 +204,8 @@ class ReplicaContext:
         per-example losses and metrics so padded rows count for nothing.
         """
         idx = jnp.arange(rows)
-        return idx < self._valid[0] if self._valid else idx >= 0
+        valid = self.num_valid
+        return idx < valid if valid is not None else idx >= 0
 
     @property
     def devices(self) -> tuple[jax.Device, ...]:
@@ -176,16 +221,18 @@ class ReplicaContext:
         Example:
             >>> import jaxdist as jd
             >>> s = jd.OneDeviceStrategy()
-            >>> float(s.run(lambda ctx: ctx.all_reduce("sum", 2.0)).array)
+            >>> float(s.run(lambda ctx: ctx.all_reduce("sum", 2.0)))  # one replica: plain
             2.0
         """
         op = ReduceOp.from_any(reduce_op, where="ReplicaContext.all_reduce")
+        self._check_live("all_reduce")
         if not self._bound:
             return value
         return self.strategy.cross_device_ops.all_reduce(op, value, self.axis_name)
 
     def all_gather(self, value: Any, axis: int, options: Any = None) -> Any:
         """Concatenates every replica's ``value`` along ``axis`` (tiled), on every replica."""
+        self._check_live("all_gather")
         if not self._bound:
             return value
         return jax.tree.map(
@@ -204,6 +251,7 @@ class ReplicaContext:
                 f"ReplicaContext.reduce_scatter: reduce op {op.name} is not supported; XLA's "
                 "reduce-scatter sums. Use SUM or MEAN, or all_reduce then slice for MAX/MIN."
             )
+        self._check_live("reduce_scatter")
         n = self.num_replicas_in_sync
 
         def one(x: Any) -> Any:
@@ -223,6 +271,7 @@ class ReplicaContext:
 
     def broadcast(self, value: Any, source_replica: int = 0) -> Any:
         """Every replica receives replica ``source_replica``'s ``value`` (a mirrored result)."""
+        self._check_live("broadcast")
         n = self.num_replicas_in_sync
         if not 0 <= source_replica < n:
             raise ValueError(
@@ -245,6 +294,7 @@ class ReplicaContext:
     def all_to_all(self, value: Any, split_axis: int, concat_axis: int) -> Any:
         """Splits ``split_axis`` into N chunks, sends chunk ``r`` to replica ``r``,
         and concatenates the received chunks along ``concat_axis``."""
+        self._check_live("all_to_all")
         if not self._bound:
             return value
         return jax.tree.map(
@@ -255,9 +305,38 @@ class ReplicaContext:
     def ppermute(self, value: Any, perm: list[tuple[int, int]]) -> Any:
         """Sends replica ``src``'s value to replica ``dst`` for each ``(src, dst)`` in ``perm``;
         replicas that receive nothing get zeros (`jax.lax.ppermute`)."""
+        self._check_live("ppermute")
+        pairs = self._check_permutation(perm)
         if not self._bound:
             return value
-        return jax.tree.map(lambda x: lax.ppermute(x, self.axis_name, perm), value)
+        return jax.tree.map(lambda x: lax.ppermute(x, self.axis_name, pairs), value)
+
+    def _check_permutation(self, perm: Any) -> list[tuple[int, int]]:
+        n = self.num_replicas_in_sync
+        where = "ReplicaContext.ppermute"
+        try:
+            pairs = [(int(src), int(dst)) for src, dst in perm]
+        except (TypeError, ValueError):
+            raise TypeError(
+                f"{where}: perm must be a list of (source, destination) replica pairs such as "
+                f"[(0, 1), (1, 2)], got {perm!r}."
+            ) from None
+        bad = [p for p in pairs if not (0 <= p[0] < n and 0 <= p[1] < n)]
+        if bad:
+            raise ValueError(
+                f"{where}: pairs {bad} name replicas outside [0, {n}) for {n} replicas of "
+                f"{type(self.strategy).__name__}; every source and destination must be a "
+                "replica id."
+            )
+        for k, label in ((0, "source"), (1, "destination")):
+            seen = [p[k] for p in pairs]
+            dup = sorted({r for r in seen if seen.count(r) > 1})
+            if dup:
+                raise ValueError(
+                    f"{where}: replica(s) {dup} appear more than once as a {label} in {pairs}; "
+                    "a permutation sends from and to each replica at most once."
+                )
+        return pairs
 
     # Variable updates --------------------------------------------------------------
 
@@ -305,9 +384,12 @@ class ReplicaContext:
                 f"ReplicaContext.merge_call: merge_fn must be callable, got "
                 f"{type(merge_fn).__name__}."
             )
+        self._check_live("merge_call")
         kwargs = {} if kwargs is None else kwargs
         state = _STATE.get()
-        merged = dataclasses.replace(state, merging=True)
+        # merge_fn runs in the cross-replica context of this context's strategy (for the
+        # default strategy too, as in TF).
+        merged = dataclasses.replace(state, strategy=self.strategy, merging=True)
         if not self._bound:
             with _entered(merged):
                 return merge_fn(self.strategy, *args, **kwargs)

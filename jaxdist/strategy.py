@@ -21,10 +21,11 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxdist import _dispatch
-from jaxdist._compile import LoweredStep, describe_bad_leaf, replicated_program
+from jaxdist._compile import describe_bad_leaf
 from jaxdist._cross_replica import gather_leaf, reduce_distributed, reduce_leaf
 from jaxdist._jax_compat import is_tracer
-from jaxdist.context import check_cross_replica, strategy_scope
+from jaxdist._programs import LoweredStep, Program, program_for
+from jaxdist.context import check_cross_replica, current_state, strategy_scope
 from jaxdist.extended import StrategyExtended
 from jaxdist.options import RunOptions
 from jaxdist.reduce import CrossDeviceOps, NcclAllReduce, ReduceOp
@@ -60,6 +61,10 @@ def _onto_mesh(strategy: Strategy, tree: Any) -> Any:
     return jax.tree.map(leaf, tree, is_leaf=is_distributed)
 
 
+def _strong(fn: Callable[..., Any]) -> Callable[[], Callable[..., Any]]:
+    return lambda: fn
+
+
 def _variables_to(sharding: jax.sharding.Sharding, tree: Any) -> Any:
     """Moves the ON_WRITE variables of ``tree`` to ``sharding`` (central storage)."""
 
@@ -78,13 +83,22 @@ class Strategy:
     the methods here are shared and pure: they never change the strategy.
     """
 
-    __slots__ = ("_cross_device_ops", "_devices", "_gate", "_hash", "_key", "_mesh")
+    __slots__ = (
+        "_cross_device_ops",
+        "_devices",
+        "_gate",
+        "_hash",
+        "_key",
+        "_mesh",
+        "_parameter_placed",
+    )
     _devices: tuple[jax.Device, ...]
     _gate: bool
     _hash: int  # jit hashes the (static) strategy on every run: computed once
     _key: tuple[Any, ...]
     _mesh: Mesh
     _cross_device_ops: CrossDeviceOps
+    _parameter_placed: bool  # variables live on one parameter device (central storage)
 
     def __init__(
         self,
@@ -108,6 +122,7 @@ class Strategy:
         object.__setattr__(self, "_key", key)
         object.__setattr__(self, "_hash", hash(key))
         object.__setattr__(self, "_gate", _dispatch.needs_gate(devices))
+        object.__setattr__(self, "_parameter_placed", self.parameter_device is not None)
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -121,7 +136,7 @@ class Strategy:
         return ()
 
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, Strategy) and self._key == other._key
+        return self is other or (isinstance(other, Strategy) and self._key == other._key)
 
     def __hash__(self) -> int:
         return self._hash
@@ -192,15 +207,20 @@ class Strategy:
 
         `PerReplica` arguments are unwrapped (replica ``r`` sees row ``r``); all
         other arguments are broadcast to every replica. Outputs that are the same
-        on every replica (results of ``ctx.all_reduce``, constants) come back
-        `Mirrored`, the others `PerReplica`, at the leaves of ``fn``'s output.
-        Compiled once per function and argument signature.
+        on every replica come back `Mirrored` (one replicated copy), the others
+        `PerReplica`, at the leaves of ``fn``'s output. "The same on every
+        replica" is read from the computation, not only from JAX's types: results
+        of ``ctx.all_reduce``, and anything computed from them and from broadcast
+        arguments alone, such as parameters and optimizer state updated with
+        all-reduced gradients (no extra communication: they are already identical
+        on every device). With one replica, outputs are plain arrays (TF's
+        regroup of a single value). Compiled once per function and argument
+        signature.
 
         Example:
             >>> import jaxdist as jd
             >>> s = jd.OneDeviceStrategy()
-            >>> out = s.run(lambda ctx, x: ctx.all_reduce("sum", x * 2), args=(3.0,))
-            >>> float(out.array)
+            >>> float(s.run(lambda ctx, x: ctx.all_reduce("sum", x * 2), args=(3.0,)))
             6.0
         """
         if not callable(fn):
@@ -209,26 +229,41 @@ class Strategy:
                 f"({fn!r:.60}). Pass the replica function itself: "
                 "strategy.run(step, args=(...))."
             )
-        check_cross_replica(self, "run")
+        if type(args) is not tuple:
+            args = self._check_args(args)
+        if kwargs is None:
+            kwargs = {}
+        elif type(kwargs) is not dict:
+            raise TypeError(
+                f"{self._name('run')}: kwargs must be a dict of keyword arguments, got "
+                f"{type(kwargs).__name__}."
+            )
+        if options is not None and not isinstance(options, RunOptions):
+            raise TypeError(
+                f"{self._name('run')}: options must be a jaxdist.RunOptions, got "
+                f"{type(options).__name__}."
+            )
+        return self._dispatch(program_for(fn, self, options), args, kwargs)
+
+    def _check_args(self, args: Any) -> tuple[Any, ...]:
         if not isinstance(args, (tuple, list)):
             raise TypeError(
                 f"{self._name('run')}: args must be a tuple or list of arguments, got "
                 f"{type(args).__name__}. For one argument write args=(x,)."
             )
-        if kwargs is None:
-            kwargs = {}
-        elif not isinstance(kwargs, dict):
-            raise TypeError(f"{self._name('run')}: kwargs must be a dict, got {type(kwargs)}.")
-        if options is not None and not isinstance(options, RunOptions):
-            raise TypeError(f"{self._name('run')}: options must be a jaxdist.RunOptions.")
-        args = tuple(args)
-        if self.parameter_device is not None:
+        return tuple(args)
+
+    def _dispatch(self, program: Program, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """Runs a compiled program: the per-call path of `run`, `function` and `train_step`."""
+        state = current_state()
+        if state.replica is not None:
+            raise self._nested_run_error(state.merging)
+        if self._parameter_placed:
             args, kwargs = _variables_to(self._mesh_replicated(), (args, kwargs))
         if self._gate:
             _dispatch.wait_for_previous()
-        program = replicated_program(options)
         try:
-            out = program(fn, self, args, kwargs)
+            out = program(args, kwargs)
         except TypeError as e:
             better = describe_bad_leaf(self, args, kwargs)
             if better is not None:
@@ -240,12 +275,29 @@ class Strategy:
             # Some argument is committed to devices outside this strategy's mesh (for
             # example one replica's local result): place it on the mesh and retry.
             args, kwargs = _onto_mesh(self, (args, kwargs))
-            out = program(fn, self, args, kwargs)
+            out = program(args, kwargs)
         if self._gate:
             _dispatch.record(out)
-        if self.parameter_device is not None:
+        if self._parameter_placed:
             out = _variables_to(jax.sharding.SingleDeviceSharding(self.parameter_device), out)
         return out
+
+    def _nested_run_error(self, merging: bool) -> RuntimeError:
+        name = type(self).__name__
+        if merging:
+            return RuntimeError(
+                f"{name}.run was called inside a merge_fn (ReplicaContext.merge_call). A "
+                "merge_fn runs once, in cross-replica context, while the replica function is "
+                "being traced; it cannot start another replicated computation. Reduce or "
+                "gather its arguments there (strategy.reduce, strategy.gather) and return "
+                "the result, or call run after the outer run returns."
+            )
+        return RuntimeError(
+            f"{name}.run was called inside a replica function, where only the replica "
+            "context's collectives apply. Inside the function use ctx.all_reduce / "
+            f"ctx.all_gather, or call {name}.run on the outer function's outputs after "
+            "run returns."
+        )
 
     def _mesh_replicated(self) -> NamedSharding:
         return NamedSharding(self._mesh, P())
@@ -256,22 +308,40 @@ class Strategy:
         """Decorator: the reusable compiled form of `run`.
 
         ``strategy.function(step)(*args, **kwargs)`` is
-        ``strategy.run(step, args, kwargs)``.
+        ``strategy.run(step, args, kwargs)``, compiled once per argument signature
+        and dispatched without `run`'s checks. ``.lower(*args, **kwargs)`` lowers it
+        ahead of time (``.compile()``, ``.as_text()``).
+
+        Example:
+            >>> import jaxdist as jd
+            >>> s = jd.OneDeviceStrategy()
+            >>> step = s.function(lambda ctx, x: ctx.all_reduce("sum", x))
+            >>> float(step(2.0))
+            2.0
         """
         if fn is None:
             return functools.partial(self.function, options=options)
         if not callable(fn):
-            raise TypeError(f"{self._name('function')}: fn must be callable, got {type(fn)}.")
+            raise TypeError(
+                f"{self._name('function')}: fn must be callable, got {type(fn).__name__}."
+            )
+        if options is not None and not isinstance(options, RunOptions):
+            raise TypeError(
+                f"{self._name('function')}: options must be a jaxdist.RunOptions, got "
+                f"{type(options).__name__}."
+            )
+        program = Program(_strong(fn), self, options, plain=False)
+        dispatch = self._dispatch
 
         @functools.wraps(fn)
         def replicated(*args: Any, **kwargs: Any) -> Any:
-            return self.run(fn, args, kwargs, options)
+            return dispatch(program, args, kwargs)
 
         def lower(*args: Any, **kwargs: Any) -> LoweredStep:
             """The program lowered for these arguments (arrays or `jax.ShapeDtypeStruct`s,
             e.g. a dataset's ``element_spec``); ``.compile()`` it ahead of time, or read
             its HLO with ``.as_text()``."""
-            return LoweredStep(replicated_program(options).lower(fn, self, args, kwargs))
+            return program.lower(args, kwargs)
 
         replicated.lower = lower  # type: ignore[attr-defined]
         return replicated

@@ -31,7 +31,7 @@ def _train(strategy: jd.Strategy, state: dict) -> dict:
         }
 
     out = strategy.run(step, args=(state,))
-    out["step"] = out["step"].values[0]
+    out["step"] = strategy.experimental_local_results(out["step"])[0]
     return out
 
 

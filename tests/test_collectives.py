@@ -9,6 +9,8 @@ import pytest
 
 import jaxdist as jd
 
+from _helpers import assert_kind, rows, value
+
 REFS = {"sum": np.sum, "mean": np.mean, "max": np.max, "min": np.min}
 
 
@@ -23,8 +25,8 @@ def test_all_reduce_ops_over_pytrees(strategy: jd.Strategy, op) -> None:
     )
     name = op.name.lower() if isinstance(op, jd.ReduceOp) else op.lower()
     for k in tree:
-        assert isinstance(out[k], jd.Mirrored)
-        np.testing.assert_allclose(out[k].array, REFS[name](tree[k], axis=0), rtol=1e-6)
+        assert_kind(out[k], jd.Mirrored, strategy)
+        np.testing.assert_allclose(value(out[k]), REFS[name](tree[k], axis=0), rtol=1e-6)
 
 
 @pytest.mark.parametrize(
@@ -77,8 +79,9 @@ def test_all_gather_reduce_scatter_all_to_all(mirrored8: jd.MirroredStrategy) ->
 
     gathered, scattered, scattered_mean, a2a = mirrored8.run(fn, args=(jd.PerReplica(x),))
     ref_gather = np.concatenate(list(x), axis=1)  # (8, 16)
+    assert isinstance(gathered, jd.Mirrored)  # every replica holds the same concatenation
+    np.testing.assert_allclose(gathered.array, ref_gather)
     for r in range(8):
-        np.testing.assert_allclose(gathered.array[r], ref_gather)
         np.testing.assert_allclose(scattered.array[r], x.sum(0)[r : r + 1])
         np.testing.assert_allclose(scattered_mean.array[r], x.mean(0)[r : r + 1], rtol=1e-6)
         # replica r receives chunk r of every replica, in replica order
@@ -127,11 +130,11 @@ def test_merge_call_gathers_and_returns_to_each_replica(strategy: jd.Strategy) -
 
     total, mx, gathered, doubled = strategy.run(fn, args=(jd.PerReplica(x),))
     assert seen["types"] == (jd.PerReplica, jd.Mirrored)
-    np.testing.assert_allclose(total.array, 2 * x.sum(0))
-    np.testing.assert_allclose(mx.array, x.max(0))
-    np.testing.assert_allclose(gathered.array, x.reshape(-1))
-    assert isinstance(doubled, jd.PerReplica)  # each replica got its own row back
-    np.testing.assert_allclose(doubled.array, 2 * x)
+    np.testing.assert_allclose(value(total), 2 * x.sum(0))
+    np.testing.assert_allclose(value(mx), x.max(0))
+    np.testing.assert_allclose(value(gathered), x.reshape(-1))
+    assert_kind(doubled, jd.PerReplica, strategy)  # each replica got its own row back
+    np.testing.assert_allclose(rows(doubled, strategy), 2 * x)
 
 
 def test_default_replica_context_outside_run() -> None:

@@ -13,6 +13,8 @@ import pytest
 
 import jaxdist as jd
 
+from _helpers import assert_kind, rows, value
+
 
 def test_issue_example(mirrored8: jd.MirroredStrategy) -> None:
     def replica_fn(ctx, x):
@@ -32,8 +34,8 @@ def test_per_replica_unwrapped_and_broadcast(strategy: jd.Strategy) -> None:
     x = np.arange(n * 3, dtype=np.float32).reshape(n, 3)
     b = np.array([10.0, 20.0, 30.0], np.float32)
     out = strategy.run(lambda ctx, x, b, c: x * c + b, args=(jd.PerReplica(x), b, 2.0))
-    assert isinstance(out, jd.PerReplica)
-    np.testing.assert_allclose(out.array, x * 2.0 + b)
+    assert_kind(out, jd.PerReplica, strategy)  # with one replica: the plain value (as TF)
+    np.testing.assert_allclose(rows(out, strategy), x * 2.0 + b)
     for r, v in enumerate(strategy.experimental_local_results(out)):
         np.testing.assert_allclose(v, x[r] * 2.0 + b)
 
@@ -49,10 +51,11 @@ def test_output_structure_is_kept(strategy: jd.Strategy) -> None:
     out = strategy.run(fn, args=({"a": jd.PerReplica(a)},))
     assert set(out) == {"sum", "pair", "n"}
     assert out["n"] == n  # Python values come back as they are
-    assert isinstance(out["sum"], jd.Mirrored)
-    np.testing.assert_allclose(out["sum"].array, a.sum())
-    assert isinstance(out["pair"][0], jd.PerReplica) and out["pair"][1] is None
-    np.testing.assert_allclose(out["pair"][0].array, a + 1)
+    assert_kind(out["sum"], jd.Mirrored, strategy)
+    np.testing.assert_allclose(value(out["sum"]), a.sum())
+    assert_kind(out["pair"][0], jd.PerReplica, strategy)
+    assert out["pair"][1] is None
+    np.testing.assert_allclose(rows(out["pair"][0], strategy), (a + 1).reshape(n))
 
 
 def test_kwargs_and_function_decorator(strategy: jd.Strategy) -> None:
@@ -64,7 +67,7 @@ def test_kwargs_and_function_decorator(strategy: jd.Strategy) -> None:
 
     x = jd.PerReplica(np.arange(n, dtype=np.float32))
     out = step(x, scale=3.0)
-    np.testing.assert_allclose(out.array, 3.0 * np.arange(n).mean())
+    np.testing.assert_allclose(value(out), 3.0 * np.arange(n).mean())
     assert step.__name__ == "step"
 
 
@@ -127,11 +130,11 @@ def test_grad_is_per_replica_and_mean_matches_single_device(strategy: jd.Strateg
     # Each replica's own gradient, not one already summed over replicas.
     for r in range(n):
         ref = jax.grad(_mlp_loss)(params, x[4 * r : 4 * r + 4], y[4 * r : 4 * r + 4])
-        got = jax.tree.map(lambda v, r=r: v.array[r], local, is_leaf=_is_dv)
+        got = jax.tree.map(lambda v, r=r: rows(v, strategy)[r], local, is_leaf=_is_dv)
         jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), got, ref)
     ref = jax.grad(_mlp_loss)(params, x, y)  # the global batch on one device
     jax.tree.map(
-        lambda a, b: np.testing.assert_allclose(a.array, b, rtol=1e-5, atol=1e-6),
+        lambda a, b: np.testing.assert_allclose(value(a), b, rtol=1e-5, atol=1e-6),
         mean,
         ref,
         is_leaf=_is_dv,
@@ -151,8 +154,10 @@ def test_grad_through_all_reduce_and_all_gather(mirrored8: jd.MirroredStrategy) 
 
     x = jd.PerReplica(jnp.ones((8, 1)))
     g_sum, g_gather = mirrored8.run(fn, args=(x, c))
-    # every replica's cotangent is sum(c): the transpose of psum sums them.
-    np.testing.assert_allclose(g_sum.array, np.full((8, 1), 8 * c.sum()))
+    # every replica's cotangent is sum(c): the transpose of psum sums them. The gradient
+    # is the same on every replica, so it comes back as one mirrored copy.
+    assert isinstance(g_sum, jd.Mirrored)
+    np.testing.assert_allclose(g_sum.array, np.full((1,), 8 * c.sum()))
     # replica r contributes c[i] * (r + 1) to x_i's cotangent: sum_r (r + 1) = 36.
     np.testing.assert_allclose(g_gather.array[:, 0], 36.0 * c)
 

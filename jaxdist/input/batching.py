@@ -37,6 +37,7 @@ class Batcher:
         me = jax.process_index()
         self.local = [r for r, d in enumerate(strategy.mesh.devices.flat) if d.process_index == me]
         self.sharding = NamedSharding(strategy.mesh, P(strategy.axis_name))
+        self.replicated = NamedSharding(strategy.mesh, P())
         self.multi_process = jax.process_count() > 1
         self.treedef: Any = None
         self.row_shapes: list[tuple[tuple[int, ...], Any]] | None = None
@@ -144,7 +145,7 @@ class Batcher:
         wanted = range(share) if off and self.multi_process else self.local
         if rows == share * b and len(wanted) == share:  # a full batch: views, no copies
             if self._full_counts is None:
-                self._full_counts = np.full(share, b, np.int32)
+                self._full_counts = np.full(self.n, b, np.int32)
             return [a.reshape(share, b, *a.shape[1:]) for a in leaves], self._full_counts
         if rows < share * b and not self._partial(rows, share * b):
             return None
@@ -160,7 +161,9 @@ class Batcher:
                 for i, r in enumerate(wanted):
                     padded[i, : counts[r]] = a[r * per : r * per + counts[r]]
                 out.append(padded)
-        return out, counts[list(wanted)]
+        # Every replica's counts (each process read the whole global batch), or with the
+        # OFF policy across processes, this process's replicas' counts only.
+        return out, counts
 
     # Per-replica batches -----------------------------------------------------------
 
@@ -208,11 +211,20 @@ class Batcher:
             arrays = self._to_devices(leaves)
             if full:
                 if self._full_valid is None:
-                    self._full_valid = self._to_devices([counts])[0]
+                    self._full_valid = self._counts_to_devices(counts)
                 valid = self._full_valid
             else:
-                valid = self._to_devices([counts])[0]
+                valid = self._counts_to_devices(counts)
         return jax.tree.unflatten(self.treedef, [PerReplica(a, valid) for a in arrays])
+
+    def _counts_to_devices(self, counts: np.ndarray) -> jax.Array:
+        """Valid-row counts on the devices: replicated when they are every replica's (so a
+        step reads any replica's count without communication), else split by replica."""
+        if len(counts) == self.n:
+            if not self.multi_process:
+                return jax.device_put(counts, self.replicated)
+            return jax.make_array_from_process_local_data(self.replicated, counts, (self.n,))
+        return jax.make_array_from_process_local_data(self.sharding, counts, (self.n,))
 
     def _to_devices(self, local: list[np.ndarray]) -> list[jax.Array]:
         """Places per-replica host rows into the sharded layout: one batched transfer in a
@@ -230,10 +242,13 @@ class Batcher:
         def one(x: Any) -> Any:
             if not isinstance(x, PerReplica):
                 return x
-            sharding = self.sharding if self.options.experimental_fetch_to_device else None
+            fetch = self.options.experimental_fetch_to_device
+            valid_sharding = getattr(x.valid, "sharding", None) if fetch else None
             return PerReplica(
-                jax.ShapeDtypeStruct(x.array.shape, x.array.dtype, sharding=sharding),
-                jax.ShapeDtypeStruct(np.shape(x.valid), np.int32, sharding=sharding),
+                jax.ShapeDtypeStruct(
+                    x.array.shape, x.array.dtype, sharding=self.sharding if fetch else None
+                ),
+                jax.ShapeDtypeStruct(np.shape(x.valid), np.int32, sharding=valid_sharding),
             )
 
         return jax.tree.map(one, element, is_leaf=lambda x: isinstance(x, PerReplica))

@@ -1,0 +1,222 @@
+"""The cache of compiled replica programs (private).
+
+`program_for(fn, strategy, options)` returns a `Program`: one `jax.jit` of
+`jaxdist._compile.replicated` for that function, strategy and options. jit
+then caches one executable per argument signature, so a repeat call costs
+one C++ dispatch.
+
+The cache is a bounded LRU (`set_program_cache_size`, default 256 programs)
+and holds replica functions weakly where Python allows: when a function is
+garbage collected its programs and executables go with it, so a stream of
+distinct closures does not grow memory. A function that keeps being
+re-created (a new ``lambda`` or ``functools.partial`` on every step)
+recompiles every time; after `RECOMPILE_WARNING_AFTER` such programs for the
+same code and strategy, jaxdist warns once and names `Strategy.function` as the fix.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import threading
+import types
+import warnings
+import weakref
+from collections.abc import Callable, Hashable
+from typing import TYPE_CHECKING, Any
+
+import jax
+
+from jaxdist._compile import replicated
+from jaxdist.options import RunOptions
+
+if TYPE_CHECKING:
+    from jaxdist.strategy import Strategy
+
+__all__ = ["Program", "get_program_cache_size", "program_for", "set_program_cache_size"]
+
+DEFAULT_CACHE_SIZE = 256
+RECOMPILE_WARNING_AFTER = 16
+
+
+class Program:
+    """A replica function compiled for one strategy and one set of options."""
+
+    __slots__ = ("__weakref__", "jitted", "strategy")
+
+    def __init__(
+        self,
+        fn_ref: Callable[[], Callable[..., Any] | None],
+        strategy: Strategy,
+        options: RunOptions | None,
+        plain: bool,
+    ) -> None:
+        opts = options or RunOptions()
+        name = getattr(fn_ref(), "__name__", "replica_fn")
+
+        def program(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+            fn = fn_ref()
+            if fn is None:  # pragma: no cover - the cache entry dies with the function
+                raise RuntimeError("jaxdist: the replica function was garbage collected.")
+            return replicated(fn, strategy, args, kwargs, plain=plain)
+
+        program.__name__ = program.__qualname__ = f"jaxdist_{name}"
+        jit_kwargs: dict[str, Any] = {}
+        if opts.donate_args:
+            jit_kwargs["donate_argnums"] = (0, 1)
+        if opts.experimental_xla_options:
+            jit_kwargs["compiler_options"] = dict(opts.experimental_xla_options)
+        self.jitted = jax.jit(program, **jit_kwargs)
+        self.strategy = strategy
+
+    def __call__(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        return self.jitted(args, kwargs)
+
+    def lower(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> LoweredStep:
+        return LoweredStep(self.jitted.lower(args, kwargs))
+
+
+class CompiledStep:
+    """A replica function compiled ahead of time; call it with the step's arguments."""
+
+    def __init__(self, compiled: Any) -> None:
+        self._compiled = compiled
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self._compiled(args, kwargs)
+
+    def as_text(self) -> str:
+        return self._compiled.as_text()
+
+    def __getattr__(self, name: str) -> Any:  # cost_analysis, memory_analysis, ...
+        return getattr(self._compiled, name)
+
+
+class LoweredStep:
+    """A replica function lowered for given arguments (``strategy.function(f).lower(...)``)."""
+
+    def __init__(self, lowered: Any) -> None:
+        self._lowered = lowered
+
+    def compile(self) -> CompiledStep:
+        return CompiledStep(self._lowered.compile())
+
+    def as_text(self) -> str:
+        return self._lowered.as_text()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._lowered, name)
+
+
+# The cache ----------------------------------------------------------------------
+
+_lock = threading.Lock()
+_cache: collections.OrderedDict[Hashable, Program] = collections.OrderedDict()
+_size = [DEFAULT_CACHE_SIZE]
+_programs_per_code: dict[Any, int] = {}
+_warned: set[Any] = set()
+
+
+def set_program_cache_size(size: int) -> None:
+    """Sets how many compiled replica programs jaxdist keeps (least recently used first out).
+
+    Each program holds the executables of one replica function for one
+    strategy and options (one per argument signature). The default is 256.
+    """
+    if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+        raise ValueError(
+            f"jaxdist.experimental.set_program_cache_size: size must be an int >= 1, got {size!r}."
+        )
+    with _lock:
+        _size[0] = size
+        while len(_cache) > size:
+            _cache.popitem(last=False)
+
+
+def get_program_cache_size() -> int:
+    """The current bound set by `set_program_cache_size`."""
+    return _size[0]
+
+
+def cached_program_count() -> int:
+    """How many programs the cache holds now (for tests)."""
+    return len(_cache)
+
+
+def _function_key(fn: Callable[..., Any]) -> tuple[Hashable, Callable[[], Any]]:
+    """A cache key for ``fn`` and a callable returning it (a weak reference if possible).
+
+    Bound methods are keyed by their function and instance, so ``obj.step`` (a new
+    method object on every attribute access) finds its program again.
+    """
+    if isinstance(fn, types.MethodType):
+        return ("method", fn.__func__, id(fn.__self__)), weakref.WeakMethod(fn)
+    try:
+        return id(fn), weakref.ref(fn)
+    except TypeError:  # not weak-referenceable: kept alive by the cache (bounded)
+        return ("strong", fn), lambda: fn
+
+
+def _code_of(fn: Any) -> Any:
+    while hasattr(fn, "func"):  # functools.partial
+        fn = fn.func
+    fn = getattr(fn, "__func__", fn)
+    return getattr(fn, "__code__", None)
+
+
+def _note_new_program(fn: Callable[..., Any], strategy: Strategy) -> None:
+    code = _code_of(fn)
+    if code is None:
+        return
+    key = (code, strategy)
+    count = _programs_per_code.get(key, 0) + 1
+    _programs_per_code[key] = count
+    if count > RECOMPILE_WARNING_AFTER and code not in _warned:
+        _warned.add(code)
+        name = getattr(code, "co_name", "fn")
+        warnings.warn(
+            f"{type(strategy).__name__}.run: the replica function {name!r} "
+            f"({code.co_filename}:{code.co_firstlineno}) was compiled {count} times, once per "
+            "new function object: a lambda, closure or functools.partial created on every "
+            "step is a new function each time, and each one is traced and compiled again. "
+            "Create the step once, e.g. `step = strategy.function(train_step)` outside the "
+            "loop, and call `step(...)`.",
+            RuntimeWarning,
+            stacklevel=4,
+        )
+
+
+def program_for(
+    fn: Callable[..., Any],
+    strategy: Strategy,
+    options: RunOptions | None,
+    *,
+    plain: bool = False,
+) -> Program:
+    """The cached `Program` of ``fn`` under ``strategy`` and ``options`` (built if needed)."""
+    fkey, ref = _function_key(fn)
+    key = (fkey, strategy, options, plain)
+    program = _cache.get(key)
+    if program is not None:
+        with contextlib.suppress(KeyError):  # evicted by another thread meanwhile
+            _cache.move_to_end(key)  # least recently used leaves first
+        return program
+    with _lock:
+        program = _cache.get(key)
+        if program is not None:
+            return program
+        program = Program(ref, strategy, options, plain)
+        owner = fn.__self__ if isinstance(fn, types.MethodType) else fn
+        # The entry goes when the function does (before its id can be reused).
+        with contextlib.suppress(TypeError):
+            weakref.finalize(owner, _forget, key)
+        _cache[key] = program
+        while len(_cache) > _size[0]:
+            _cache.popitem(last=False)
+    _note_new_program(fn, strategy)
+    return program
+
+
+def _forget(key: Hashable) -> None:
+    with _lock:
+        _cache.pop(key, None)

@@ -32,6 +32,7 @@ from jaxdist.strategies.central_storage import CentralStorageStrategy
 from jaxdist.strategies.mirrored import MirroredStrategy
 from jaxdist.strategies.one_device import OneDeviceStrategy
 from jaxdist.strategy import Strategy, StrategyExtended
+from jaxdist.training import TrainState, train_step
 from jaxdist.values import DistributedValues, Mirrored, PerReplica
 from jaxdist.variables import Variable, VariableAggregation, VariableSynchronization
 
@@ -58,6 +59,7 @@ __all__ = [
     "RunOptions",
     "Strategy",
     "StrategyExtended",
+    "TrainState",
     "Variable",
     "VariableAggregation",
     "VariableSynchronization",
@@ -69,4 +71,5 @@ __all__ = [
     "get_strategy",
     "has_strategy",
     "in_cross_replica_context",
+    "train_step",
 ]

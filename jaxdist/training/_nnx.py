@@ -1,0 +1,136 @@
+"""Flax NNX objects as train-step state, without a graph walk per call (private).
+
+`nnx.split` / `nnx.state` / `nnx.update` each cost about a third of a
+millisecond of Python for a small model and its optimizer, more than a whole
+GPU step of a small model. So a `StateCache` walks the objects' graph once
+(`nnx.split`) and keeps:
+
+- the `GraphDef` (static: the step is compiled for it),
+- the `nnx.Variable` objects themselves, in state order, whose raw values are
+  read and written directly on every later call,
+- a fingerprint of every graph node: its attribute dict and the identity of
+  each attribute value. Replacing a submodule or a `Variable`, adding an
+  attribute or flipping a static flag (``model.eval()``) changes it; updating
+  a variable's value does not. `unchanged` compares it in a few microseconds,
+  and a changed structure falls back to a new walk (and a new program when
+  the `GraphDef` differs).
+
+flax is imported lazily: jaxdist does not depend on it.
+"""
+
+from __future__ import annotations
+
+import operator
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+__all__ = ["StateCache", "is_nnx_node", "nnx_module"]
+
+
+def nnx_module() -> Any | None:
+    """``flax.nnx`` if the user imported it (NNX objects cannot exist otherwise)."""
+    return sys.modules.get("flax.nnx")
+
+
+def is_nnx_node(x: Any) -> bool:
+    """True for NNX graph nodes (modules, optimizers, ``Rngs``) and NNX variables."""
+    nnx = nnx_module()
+    return nnx is not None and isinstance(x, (nnx.Pytree, nnx.Variable))
+
+
+def _path_str(path: Sequence[Any]) -> str:
+    return ".".join(str(p) for p in path)
+
+
+_setattr = object.__setattr__
+
+
+class StateCache:
+    """One traversal of a tuple of NNX objects, reused while their structure holds."""
+
+    __slots__ = (
+        "graphdef",
+        "is_key",
+        "nodes",
+        "objects",
+        "paths",
+        "snapshots",
+        "state_treedef",
+        "variables",
+    )
+
+    def __init__(self, objects: tuple[Any, ...], where: str) -> None:
+        nnx = nnx_module()
+        assert nnx is not None
+        self.objects = objects
+        graphdef, state = nnx.split(objects)
+        self.graphdef = graphdef
+        self.state_treedef = jax.tree.structure(state)
+        flat = nnx.to_flat_state(state)
+        self.paths = [_path_str(p) for p in flat.paths]
+        self.variables = list(flat.leaves)
+        for path, var in zip(self.paths, self.variables, strict=True):
+            value = var.get_raw_value()
+            if not isinstance(value, (jax.Array, np.ndarray)):
+                raise TypeError(
+                    f"{where}: NNX variable {path} ({type(var).__name__}) holds a "
+                    f"{type(value).__name__}, not an array; a train step carries NNX state "
+                    "as arrays. Store arrays in nnx.Variable objects (or keep this value as a "
+                    "static attribute)."
+                )
+        self.is_key = [isinstance(v, nnx.RngKey) for v in self.variables]
+        self.nodes = [
+            node
+            for _, node in nnx.iter_graph(objects)
+            if isinstance(node, nnx.Pytree) and hasattr(node, "__dict__")
+        ]
+        self.snapshots = [tuple(vars(node).values()) for node in self.nodes]
+
+    def unchanged(self, objects: Sequence[Any]) -> bool:
+        """True when ``objects`` are the cached ones with the same graph structure."""
+        if len(objects) != len(self.objects) or not all(map(operator.is_, objects, self.objects)):
+            return False
+        is_ = operator.is_
+        for node, snap in zip(self.nodes, self.snapshots, strict=True):
+            d = vars(node)
+            if len(d) != len(snap) or not all(map(is_, d.values(), snap)):
+                return False
+        return True
+
+    def read(self) -> list[Any]:
+        """The variables' current values (no copies)."""
+        return [v._raw_value for v in self.variables]
+
+    def write(self, values: Sequence[Any]) -> None:
+        """Sets the variables' values in place, as `nnx.update` would (without its walk).
+
+        Called outside any trace, so NNX's trace-level check has nothing to guard.
+        """
+        for var, value in zip(self.variables, values, strict=True):
+            _setattr(var, "_raw_value", value)
+
+    def rebuild(self, values: Sequence[Any]) -> tuple[Any, ...]:
+        """New NNX objects (inside a trace) holding ``values``, with this structure."""
+        nnx = nnx_module()
+        assert nnx is not None
+        state = jax.tree.unflatten(self.state_treedef, list(values))
+        return nnx.merge(self.graphdef, state)
+
+    def extract(self, objects: Any, where: str) -> list[Any]:
+        """The values of ``objects`` (rebuilt by `rebuild`) after the step, in state order."""
+        nnx = nnx_module()
+        assert nnx is not None
+        graphdef, state = nnx.split(objects)
+        if graphdef != self.graphdef:
+            raise ValueError(
+                f"{where}: the structure of the NNX objects changed inside the step (an "
+                "attribute, submodule or variable was added, removed or replaced, for example "
+                "by Module.sow). A train step may change variable values only: create the "
+                "structure before the first step, or remove temporary variables with nnx.pop "
+                "before the step returns."
+            )
+        return list(jax.tree.leaves(state))

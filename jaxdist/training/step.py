@@ -1,0 +1,332 @@
+"""`train_step`: a data-parallel training step over NNX objects or functional state.
+
+``@jd.train_step(strategy)`` turns ``fn(ctx, *args, **kwargs)`` into a
+compiled step. Each call runs ``fn`` once per replica (as `Strategy.run`
+does), and:
+
+- Flax NNX objects among the arguments (modules, optimizers, ``nnx.Rngs``, at
+  any depth of the argument pytree) enter as their state arrays and are
+  updated in place afterwards, as ``nnx.jit`` does. Their state comes back as
+  one replicated copy: parameters and optimizer state updated from
+  all-reduced gradients are already the same on every replica, so this costs
+  no communication; state that does differ (for example BatchNorm statistics
+  of per-replica batches) is averaged across replicas. Random streams are
+  folded with the replica id inside the step, so dropout masks differ between
+  replicas, and advance identically, so the stored streams stay replicated.
+- Every other argument and output is functional. An output that is the same
+  on every replica (a `TrainState` after ``apply_gradients`` with all-reduced
+  gradients, an all-reduced loss) comes back as a plain replicated
+  `jax.Array`; one that differs comes back `PerReplica`.
+- With ``donate=True`` the buffers of the NNX state and of `TrainState`
+  arguments are donated to the step (updated in place on the device); a
+  donated `TrainState` must not be used after the call: use the one returned.
+
+The NNX graph is walked once per structure, not per call (see
+`jaxdist.training._nnx`): later calls read and write the variables directly.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import jax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxdist._compile import Synced, replicated
+from jaxdist._programs import LoweredStep
+from jaxdist.context import ReplicaContext, get_strategy
+from jaxdist.strategy import Strategy
+from jaxdist.training._nnx import StateCache, is_nnx_node
+from jaxdist.training._place import placed_copy
+from jaxdist.training.state import TrainState
+from jaxdist.values import DistributedValues
+from jaxdist.variables import Variable
+
+__all__ = ["TrainStep", "train_step"]
+
+_NNX, _STATE, _OTHER = range(3)
+
+
+def _is_state_node(x: Any) -> bool:
+    """Leaves of a step's argument tree: state objects, and distributed values and variables
+    (left whole for `jaxdist._compile.replicated` to map over the replicas)."""
+    return isinstance(x, (TrainState, DistributedValues, Variable)) or is_nnx_node(x)
+
+
+class _ObjectRef:
+    """Stands for the ``i``-th NNX argument object in a step's output (private)."""
+
+    __slots__ = ("index",)
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+
+
+class _Layout:
+    """Where the NNX objects and `TrainState`s sit among one call's arguments."""
+
+    __slots__ = ("kinds", "nnx_pos", "state_pos", "treedef")
+
+    def __init__(self, leaves: list[Any], treedef: Any) -> None:
+        self.treedef = treedef
+        self.kinds = tuple(
+            _STATE if isinstance(x, TrainState) else _NNX if is_nnx_node(x) else _OTHER
+            for x in leaves
+        )
+        self.nnx_pos = [i for i, k in enumerate(self.kinds) if k == _NNX]
+        self.state_pos = [i for i, k in enumerate(self.kinds) if k == _STATE]
+
+    def key(self) -> tuple[Any, ...]:
+        return (self.treedef, self.kinds)
+
+    def split(self, leaves: list[Any]) -> tuple[list[Any], list[Any]]:
+        """(the `TrainState` leaves, the other leaves), in order."""
+        states = [leaves[i] for i in self.state_pos]
+        others = [x for x, k in zip(leaves, self.kinds, strict=True) if k == _OTHER]
+        return states, others
+
+    def join(self, objects: tuple[Any, ...], states: list[Any], others: list[Any]) -> list[Any]:
+        it_obj, it_state, it_other = iter(objects), iter(states), iter(others)
+        out = []
+        for k in self.kinds:
+            out.append(
+                next(it_obj) if k == _NNX else next(it_state) if k == _STATE else next(it_other)
+            )
+        return out
+
+
+class _StepProgram:
+    """The jitted step for one strategy, argument layout and NNX structure."""
+
+    __slots__ = ("has_refs", "jitted", "strategy")
+
+    def __init__(
+        self,
+        fn: Callable[..., Any],
+        strategy: Strategy,
+        layout: _Layout,
+        cache: StateCache | None,
+        donate: bool,
+        where: str,
+    ) -> None:
+        self.strategy = strategy
+        self.has_refs = [False]
+        has_refs = self.has_refs
+
+        def replica_fn(
+            ctx: ReplicaContext, nnx_values: list[Any], states: list[Any], others: list[Any]
+        ) -> Any:
+            objects: tuple[Any, ...] = ()
+            entered = list(nnx_values)
+            if cache is not None:
+                if any(cache.is_key):
+                    rid = ctx.replica_id_in_sync_group
+                    entered = [
+                        jax.random.fold_in(v, rid) if is_key else v
+                        for v, is_key in zip(entered, cache.is_key, strict=True)
+                    ]
+                objects = cache.rebuild(entered)
+            args, kwargs = jax.tree.unflatten(layout.treedef, layout.join(objects, states, others))
+            out = fn(ctx, *args, **kwargs)
+            if objects:
+                ids = {id(o): i for i, o in enumerate(objects)}
+
+                def ref(x: Any) -> Any:
+                    if id(x) in ids and x is objects[ids[id(x)]]:
+                        has_refs[0] = True
+                        return _ObjectRef(ids[id(x)])
+                    return x
+
+                out = jax.tree.map(ref, out, is_leaf=lambda x: id(x) in ids)
+            synced: list[Any] = []
+            if cache is not None:
+                new = cache.extract(objects, where)
+                for i, value in enumerate(new):
+                    if cache.is_key[i] and value is entered[i]:
+                        value = nnx_values[i]  # the stream's key is unchanged: keep its base
+                    synced.append(Synced(value, f"NNX variable {cache.paths[i]}"))
+            return out, synced
+
+        def program(nnx_values: list[Any], states: list[Any], others: list[Any]) -> Any:
+            return replicated(replica_fn, strategy, (nnx_values, states, others), {}, plain=True)
+
+        program.__name__ = f"jaxdist_train_step_{getattr(fn, '__name__', 'fn')}"
+        self.jitted = jax.jit(program, donate_argnums=(0, 1) if donate else ())
+
+    def __call__(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        return self.jitted(*args)
+
+
+class TrainStep:
+    """A compiled data-parallel training step (made by `train_step`)."""
+
+    def __init__(self, fn: Callable[..., Any], strategy: Strategy | None, donate: bool) -> None:
+        if not callable(fn):
+            raise TypeError(f"jaxdist.train_step: fn must be callable, got {type(fn).__name__}.")
+        self._fn = fn
+        self._strategy = strategy
+        self._donate = donate
+        self._programs: dict[Any, _StepProgram] = {}
+        self._caches: dict[tuple[int, ...], StateCache] = {}
+        self._last: tuple[Any, ...] | None = None
+        name = getattr(fn, "__name__", "step")
+        self._where = f"jaxdist.train_step({name})"
+        functools.update_wrapper(self, fn)
+
+    # The per-call path ------------------------------------------------------------
+
+    def _prepare(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
+        strategy = self._strategy if self._strategy is not None else get_strategy()
+        leaves, treedef = jax.tree.flatten((args, kwargs), is_leaf=_is_state_node)
+        last = self._last
+        if last is not None and last[0] is strategy and last[1] == treedef:
+            _, _, layout, cache, program = last
+            objects = [leaves[i] for i in layout.nnx_pos]
+            if cache is None or cache.unchanged(objects):
+                states, others = layout.split(leaves)
+                values = cache.read() if cache is not None else []
+                return strategy, layout, cache, program, values, states, others
+        return self._slow_prepare(strategy, leaves, treedef)
+
+    def _slow_prepare(self, strategy: Any, leaves: list[Any], treedef: Any) -> tuple[Any, ...]:
+        if not isinstance(strategy, Strategy):
+            raise TypeError(
+                f"{self._where}: strategy must be a jaxdist.Strategy, got "
+                f"{type(strategy).__name__}."
+            )
+        layout = _Layout(leaves, treedef)
+        objects = tuple(leaves[i] for i in layout.nnx_pos)
+        if len({id(o) for o in objects}) != len(objects):
+            raise ValueError(
+                f"{self._where}: the same NNX object is passed twice; pass each model or "
+                "optimizer once."
+            )
+        cache: StateCache | None = None
+        if objects:
+            ids = tuple(map(id, objects))
+            cache = self._caches.get(ids)
+            if cache is None or not cache.unchanged(objects):
+                cache = StateCache(objects, self._where)
+                self._caches = {ids: cache}  # one structure kept: the one in use
+            _place(strategy, cache)
+        key = (strategy, layout.key(), None if cache is None else cache.graphdef)
+        program = self._programs.get(key)
+        if program is None:
+            program = _StepProgram(self._fn, strategy, layout, cache, self._donate, self._where)
+            self._programs[key] = program
+        self._last = (strategy, treedef, layout, cache, program)
+        states, others = layout.split(leaves)
+        states = [_placed_state(strategy, s) for s in states]
+        values = cache.read() if cache is not None else []
+        return strategy, layout, cache, program, values, states, others
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        strategy, _, cache, program, values, states, others = self._prepare(args, kwargs)
+        central = strategy._parameter_placed
+        if central and values:  # central storage: NNX state lives on the parameter device
+            values = jax.device_put(values, _replicated_sharding(strategy))
+        out, new_values = strategy._dispatch(program, (values, states, others), {})
+        if cache is not None:
+            if central:
+                param = jax.sharding.SingleDeviceSharding(strategy.parameter_device)
+                new_values = jax.device_put(new_values, param)
+            cache.write(new_values)
+            if program.has_refs[0]:
+                objects = cache.objects
+                out = jax.tree.map(
+                    lambda x: objects[x.index] if isinstance(x, _ObjectRef) else x,
+                    out,
+                    is_leaf=lambda x: isinstance(x, _ObjectRef),
+                )
+        return out
+
+    def lower(self, *args: Any, **kwargs: Any) -> LoweredStep:
+        """The step lowered for these arguments; ``.compile()`` it, read its HLO with
+        ``.as_text()``, or its memory use with ``.compile().memory_analysis()``."""
+        _, _, _, program, values, states, others = self._prepare(args, kwargs)
+        return LoweredStep(program.jitted.lower(values, states, others))
+
+    def __repr__(self) -> str:
+        return f"<jaxdist.train_step of {self._fn!r}>"
+
+
+def _replicated_sharding(strategy: Strategy) -> NamedSharding:
+    return NamedSharding(strategy.mesh, P())
+
+
+def _place(strategy: Strategy, cache: StateCache) -> None:
+    """Puts NNX state replicated on the strategy's devices (once, when the cache is made),
+    so the first step can donate it and later steps see the layout they return."""
+    if strategy._parameter_placed:
+        sharding: Any = jax.sharding.SingleDeviceSharding(strategy.parameter_device)
+    else:
+        sharding = _replicated_sharding(strategy)
+    values = cache.read()
+    if all(getattr(v, "sharding", None) == sharding for v in values):
+        return
+    # Own buffers: the step donates them, and the arrays the objects were built from may
+    # still be used elsewhere.
+    cache.write(placed_copy(values, sharding))
+
+
+def _placed_state(strategy: Strategy, state: TrainState) -> TrainState:
+    leaves = jax.tree.leaves(state)
+    sharding = _replicated_sharding(strategy)
+    if all(getattr(x, "sharding", None) == sharding for x in leaves[:1]):
+        return state
+    return placed_copy(state, sharding)
+
+
+def train_step(
+    fn: Callable[..., Any] | Strategy | None = None,
+    strategy: Strategy | None = None,
+    *,
+    donate: bool = True,
+) -> Any:
+    """Decorator: a compiled data-parallel train step over ``fn(ctx, *args, **kwargs)``.
+
+    Args:
+        strategy: the strategy to run on; ``None`` means the strategy of the
+            enclosing ``strategy.scope()`` at call time (the default strategy
+            outside any scope).
+        donate: donate the buffers of NNX state and `TrainState` arguments.
+
+    Use as ``@jd.train_step(strategy)``, ``@jd.train_step()`` or
+    ``@jd.train_step``. The result is called with the step's arguments (without
+    ``ctx``); it has ``.lower(*args)`` for ahead-of-time compilation.
+
+    Example:
+        >>> import jax.numpy as jnp, optax, jaxdist as jd
+        >>> from flax import nnx
+        >>> model = nnx.Linear(2, 1, rngs=nnx.Rngs(0))
+        >>> opt = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+        >>> @jd.train_step
+        ... def step(ctx, model, opt, x, y):
+        ...     loss, grads = nnx.value_and_grad(lambda m: jnp.mean((m(x) - y) ** 2))(model)
+        ...     opt.update(model, ctx.all_reduce("sum", grads))
+        ...     return ctx.all_reduce("sum", loss)
+        >>> before = float(step(model, opt, jnp.ones((4, 2)), jnp.zeros((4, 1))))
+        >>> after = float(step(model, opt, jnp.ones((4, 2)), jnp.zeros((4, 1))))
+        >>> after < before
+        True
+    """
+    if isinstance(fn, Strategy):  # @jd.train_step(strategy)
+        fn, strategy = None, fn
+    if fn is not None and not callable(fn):
+        raise TypeError(
+            f"jaxdist.train_step: expected a strategy or the step function, got "
+            f"{type(fn).__name__}. Use @jd.train_step(strategy) or @jd.train_step."
+        )
+    if strategy is not None and not isinstance(strategy, Strategy):
+        raise TypeError(
+            f"jaxdist.train_step: strategy must be a jaxdist.Strategy, got "
+            f"{type(strategy).__name__}."
+        )
+    if not isinstance(donate, bool):
+        raise TypeError(f"jaxdist.train_step: donate must be a bool, got {donate!r}.")
+    if fn is None:
+        return functools.partial(TrainStep, strategy=strategy, donate=donate)
+    return TrainStep(fn, strategy, donate)

@@ -36,6 +36,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxdist._compile import Synced, replicated
+from jaxdist._jax_compat import is_tracer
 from jaxdist._programs import LoweredStep
 from jaxdist.context import ReplicaContext, get_strategy
 from jaxdist.strategy import Strategy
@@ -50,10 +51,24 @@ __all__ = ["TrainStep", "train_step"]
 _NNX, _STATE, _OTHER = range(3)
 
 
+_LEAF_TYPES: dict[type, bool] = {}
+
+
 def _is_state_node(x: Any) -> bool:
     """Leaves of a step's argument tree: state objects, and distributed values and variables
-    (left whole for `jaxdist._compile.replicated` to map over the replicas)."""
-    return isinstance(x, (TrainState, DistributedValues, Variable)) or is_nnx_node(x)
+    (left whole for `jaxdist._compile.replicated` to map over the replicas).
+
+    Decided once per type (flax's ``isinstance`` checks run Python metaclass code, and
+    this is called on every node of every call's arguments), except for tracers, whose
+    answer depends on their abstract value.
+    """
+    t = type(x)
+    known = _LEAF_TYPES.get(t)
+    if known is None:
+        known = isinstance(x, (TrainState, DistributedValues, Variable)) or is_nnx_node(x)
+        if not is_tracer(x):
+            _LEAF_TYPES[t] = known
+    return known
 
 
 class _ObjectRef:

@@ -24,6 +24,7 @@ Usage: python benchmarks/train_step.py [--overhead]
 
 from __future__ import annotations
 
+import itertools
 import sys
 
 import _harness
@@ -44,7 +45,7 @@ BATCH = 512
 class MLP(nnx.Module):
     def __init__(self, sizes: tuple[int, ...], rngs: nnx.Rngs) -> None:
         self.layers = nnx.List(
-            [nnx.Linear(a, b, rngs=rngs) for a, b in zip(sizes[:-1], sizes[1:], strict=True)]
+            [nnx.Linear(a, b, rngs=rngs) for a, b in itertools.pairwise(sizes)]
         )
 
     def __call__(self, x: jax.Array) -> jax.Array:

@@ -29,7 +29,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from jaxdist._invariance import analyze, assume_invariant
-from jaxdist._jax_compat import eval_jaxpr, varying_axes
+from jaxdist._jax_compat import axis_names, eval_jaxpr, varies, varying_axes
 from jaxdist._replica_updates import register_mirror, varying_variable_error
 from jaxdist.context import ReplicaContext, replica_scope
 from jaxdist.values import DistributedValues, Mirrored, PerReplica
@@ -204,17 +204,13 @@ def _enter(ctx: ReplicaContext, kind: int, meta: Any, x: Any) -> Any:
         return Variable._make(x[0], dataclasses.replace(meta, local=True))
     if kind == _ON_WRITE:
         return Variable._make(register_mirror(ctx, x), dataclasses.replace(meta, local=True))
-    if set(_axes(axis)) <= varying_axes(x):
+    if set(axis_names(axis)) <= varying_axes(x):
         return x
     # Broadcast inputs become per-replica values, so jax.grad inside fn gives each
     # replica its own gradient (as tf.distribute does) instead of one already summed
     # over replicas. Whatever is computed from them alone is still recognised as the
     # same on every replica when the function returns (jaxdist._invariance).
     return lax.pcast(x, axis, to="varying")
-
-
-def _axes(axis: str | tuple[str, ...]) -> tuple[str, ...]:
-    return (axis,) if isinstance(axis, str) else tuple(axis)
 
 
 # Output leaf kinds, recorded while fn is traced.
@@ -380,9 +376,8 @@ def _finish(
 ) -> Any:
     """One output of the body: its spec and maker go to ``trace``; returns the array."""
     axis = strategy.axis_name
-    axes = _axes(axis)
     out_kind, meta = kind
-    typed_varying = bool(set(axes) & varying_axes(x))
+    typed_varying = varies(x, axis)
     if info.varying and not typed_varying:
         # Typed invariant, yet replicas reached it through different control flow (a
         # while loop with a per-replica trip count): it is per-replica data.

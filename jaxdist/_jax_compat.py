@@ -15,6 +15,16 @@ def varying_axes(x: Any) -> frozenset[str]:
     return aval_varying_axes(jax.typeof(x))
 
 
+def axis_names(axis: str | tuple[str, ...]) -> tuple[str, ...]:
+    """A replica axis (one mesh axis name, or a tuple of them) as a tuple of names."""
+    return (axis,) if isinstance(axis, str) else tuple(axis)
+
+
+def varies(x: Any, axis: str | tuple[str, ...]) -> bool:
+    """True when the traced ``x`` is typed as varying along any of the replica axes."""
+    return bool(set(axis_names(axis)) & varying_axes(x))
+
+
 def aval_varying_axes(aval: Any) -> frozenset[str]:
     """`varying_axes` of an abstract value (empty for tokens and other non-arrays)."""
     mat = getattr(aval, "manual_axis_type", None) or getattr(aval, "mat", None)

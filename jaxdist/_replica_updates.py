@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 import jax.numpy as jnp
 from jax import lax
 
-from jaxdist._jax_compat import varying_axes
+from jaxdist._jax_compat import varies
 from jaxdist.variables import Variable, VariableAggregation
 
 if TYPE_CHECKING:
@@ -34,7 +34,7 @@ def register_mirror(ctx: ReplicaContext, invariant: Any) -> Any:
 def mirror_of(ctx: ReplicaContext, var: Variable, where: str) -> Any:
     """The replica-invariant current value of an ON_WRITE variable."""
     value = var._stored
-    if ctx.axis_name not in varying_axes(value):
+    if not varies(value, ctx.axis_name):
         return value
     entry = ctx._mirrors.get(id(value))
     if entry is not None and entry[0] is value:
@@ -55,7 +55,7 @@ def varying_variable_error(meta: Any, where: str) -> ValueError:
 
 def _aggregate(ctx: ReplicaContext, var: Variable, x: Any, where: str) -> Any:
     agg = var.aggregation
-    varying = ctx.axis_name in varying_axes(x)
+    varying = varies(x, ctx.axis_name)
     if agg is Agg.SUM:
         return lax.psum(x, ctx.axis_name)
     if not varying:

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxdist._jax_compat import all_gather_invariant, is_tracer, varying_axes
+from jaxdist._jax_compat import all_gather_invariant, is_tracer, varies
 from jaxdist.reduce import ReduceOp
 from jaxdist.values import DistributedValues, Mirrored, PerReplica
 
@@ -405,7 +405,7 @@ class ReplicaContext:
     def _gather_for_merge(self, x: Any) -> Any:
         if not (is_tracer(x) or isinstance(x, jax.Array)):
             return x
-        if self.axis_name in varying_axes(x):
+        if varies(x, self.axis_name):
             return PerReplica(all_gather_invariant(x, self.axis_name))
         return Mirrored(x)
 

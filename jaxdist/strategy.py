@@ -84,6 +84,7 @@ class Strategy:
     """
 
     __slots__ = (
+        "_axis_name",
         "_cross_device_ops",
         "_devices",
         "_gate",
@@ -92,7 +93,8 @@ class Strategy:
         "_mesh",
         "_parameter_placed",
     )
-    _devices: tuple[jax.Device, ...]
+    _devices: tuple[jax.Device, ...]  # in replica order
+    _axis_name: str | tuple[str, ...]
     _gate: bool
     _hash: int  # jit hashes the (static) strategy on every run: computed once
     _key: tuple[Any, ...]
@@ -104,6 +106,9 @@ class Strategy:
         self,
         devices: Sequence[jax.Device],
         cross_device_ops: CrossDeviceOps | None = None,
+        *,
+        mesh_shape: tuple[int, ...] | None = None,
+        axis_names: tuple[str, ...] = (AXIS_NAME,),
     ) -> None:
         where = f"{type(self).__name__}(cross_device_ops=...)"
         if cross_device_ops is None:
@@ -114,11 +119,18 @@ class Strategy:
                 f"{type(cross_device_ops).__name__}."
             )
         devices = tuple(devices)
-        mesh = Mesh(np.array(devices, dtype=object), (AXIS_NAME,), axis_types=(AxisType.Auto,))
+        # Replica r is device r of ``devices``; with several mesh axes (for example
+        # ("host", "local")) the replica axis is all of them, in row-major order.
+        shape = mesh_shape if mesh_shape is not None else (len(devices),)
+        grid = np.array(devices, dtype=object).reshape(shape)
+        mesh = Mesh(grid, axis_names, axis_types=(AxisType.Auto,) * len(axis_names))
+        object.__setattr__(
+            self, "_axis_name", axis_names[0] if len(axis_names) == 1 else axis_names
+        )
         object.__setattr__(self, "_devices", devices)
         object.__setattr__(self, "_mesh", mesh)
         object.__setattr__(self, "_cross_device_ops", cross_device_ops)
-        key = (type(self), devices, cross_device_ops, *self._extra_key())
+        key = (type(self), devices, shape, axis_names, cross_device_ops, *self._extra_key())
         object.__setattr__(self, "_key", key)
         object.__setattr__(self, "_hash", hash(key))
         object.__setattr__(self, "_gate", _dispatch.needs_gate(devices))
@@ -149,12 +161,14 @@ class Strategy:
 
     @property
     def mesh(self) -> Mesh:
-        """The `jax.sharding.Mesh` with the single replica axis ``axis_name``."""
+        """The `jax.sharding.Mesh` whose axes ``axis_name`` enumerate the replicas."""
         return self._mesh
 
     @property
-    def axis_name(self) -> str:
-        return AXIS_NAME
+    def axis_name(self) -> str | tuple[str, ...]:
+        """The mesh axis (or tuple of axes) replicas are laid out along; collectives in a
+        replica function reduce over it."""
+        return self._axis_name
 
     @property
     def num_replicas_in_sync(self) -> int:

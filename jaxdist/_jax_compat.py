@@ -46,7 +46,7 @@ def is_tracer(x: Any) -> bool:
     return isinstance(x, jax.core.Tracer)
 
 
-def all_gather_invariant(x: Any, axis_name: str) -> Any:
+def all_gather_invariant(x: Any, axis_name: str | tuple[str, ...]) -> Any:
     """Stacks every replica's ``x`` along a new leading axis; the result is invariant.
 
     Uses JAX's own invariant all-gather when this JAX has it (not public API),

@@ -151,8 +151,8 @@ class ReplicaContext:
             )
 
     @property
-    def axis_name(self) -> str:
-        """The mesh axis name that collectives reduce over."""
+    def axis_name(self) -> str | tuple[str, ...]:
+        """The mesh axis name (or tuple of names) that collectives reduce over."""
         return self.strategy.axis_name
 
     @property
@@ -228,7 +228,8 @@ class ReplicaContext:
         self._check_live("all_reduce")
         if not self._bound:
             return value
-        return self.strategy.cross_device_ops.all_reduce(op, value, self.axis_name)
+        axis: Any = self.axis_name  # a mesh axis name or a tuple of them
+        return self.strategy.cross_device_ops.all_reduce(op, value, axis)
 
     def all_gather(self, value: Any, axis: int, options: Any = None) -> Any:
         """Concatenates every replica's ``value`` along ``axis`` (tiled), on every replica."""

@@ -137,6 +137,7 @@ class _Inputs:
     valid: list[Any]  # the distinct valid-count arrays of padded batches
     valid_replicated: list[bool]
     valid_rows: list[int]  # per-replica rows of the batch each belongs to
+    batch_leaves: list[tuple[int, int]]  # (input position, valid group) of padded leaves
 
 
 def _flatten_inputs(strategy: Strategy, args: tuple[Any, ...], kwargs: dict[str, Any]) -> _Inputs:
@@ -149,6 +150,7 @@ def _flatten_inputs(strategy: Strategy, args: tuple[Any, ...], kwargs: dict[str,
     specs: list[P] = []
     kinds: list[tuple[int, Any]] = []
     valid: dict[int, tuple[Any, int]] = {}
+    batch_leaves: list[tuple[int, int]] = []
     for path, leaf in with_path:
         if isinstance(leaf, Variable):
             meta = leaf._meta
@@ -172,8 +174,11 @@ def _flatten_inputs(strategy: Strategy, args: tuple[Any, ...], kwargs: dict[str,
             flat.append(arr)
             specs.append(P(axis))
             kinds.append((_PER_REPLICA, None))
-            if leaf.valid is not None and id(leaf.valid) not in valid:
-                valid[id(leaf.valid)] = (leaf.valid, arr.shape[1] if arr.ndim > 1 else -1)
+            if leaf.valid is not None:
+                if id(leaf.valid) not in valid:
+                    valid[id(leaf.valid)] = (leaf.valid, arr.shape[1] if arr.ndim > 1 else -1)
+                group = list(valid).index(id(leaf.valid))
+                batch_leaves.append((len(flat) - 1, group))
         else:
             flat.append(leaf.array if isinstance(leaf, Mirrored) else leaf)
             specs.append(P())
@@ -185,7 +190,14 @@ def _flatten_inputs(strategy: Strategy, args: tuple[Any, ...], kwargs: dict[str,
     flat.extend(v for v, _ in groups)
     specs.extend(P() if rep else P(axis) for rep in replicated)
     return _Inputs(
-        flat, specs, kinds, treedef, [v for v, _ in groups], replicated, [b for _, b in groups]
+        flat,
+        specs,
+        kinds,
+        treedef,
+        [v for v, _ in groups],
+        replicated,
+        [b for _, b in groups],
+        batch_leaves,
     )
 
 
@@ -336,7 +348,7 @@ def replicated(
 
     def body(*local: Any) -> list[Any]:
         closed = jax.make_jaxpr(traced)(*local)
-        tracked = list(range(n_args, n_args + n_valid))
+        tracked = [pos for pos, _ in inputs.batch_leaves]
         infos = analyze(closed.jaxpr, axis, tracked)
         outs = eval_jaxpr(closed.jaxpr, closed.consts, *local)
         trace.specs.clear()
@@ -437,7 +449,7 @@ def _valid_group(x: Any, info: Any, inputs: _Inputs) -> int | None:
     if not info.deps or not np.ndim(x):
         return None
     rows = x.shape[0]
-    for j, b in enumerate(inputs.valid_rows):
-        if info.deps >> j & 1 and rows == b:
-            return j
+    for k, (_, group) in enumerate(inputs.batch_leaves):
+        if info.deps >> k & 1 and rows == inputs.valid_rows[group]:
+            return group
     return None

@@ -12,6 +12,8 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import threading
+import warnings
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -75,8 +77,49 @@ def strategy_scope(strategy: Strategy) -> Iterator[Strategy]:
     state = _STATE.get()
     if state.strategy is not None and state.strategy != strategy:
         raise _mixing_error(f"{type(strategy).__name__}.scope()", state.strategy, strategy)
-    with _entered(dataclasses.replace(state, strategy=strategy, scope_depth=state.scope_depth + 1)):
-        yield strategy
+    me = threading.get_ident()
+    with _scopes_lock:
+        _SCOPES_BY_THREAD.setdefault(me, []).append(strategy)
+    try:
+        with _entered(
+            dataclasses.replace(state, strategy=strategy, scope_depth=state.scope_depth + 1)
+        ):
+            yield strategy
+    finally:
+        with _scopes_lock:
+            stack = _SCOPES_BY_THREAD[me]
+            stack.pop()
+            if not stack:
+                del _SCOPES_BY_THREAD[me]
+
+
+# Threads currently inside a strategy scope (a scope does not reach threads started
+# inside it: contextvars are per thread). Used only to explain that.
+_SCOPES_BY_THREAD: dict[int, list[Strategy]] = {}
+_scopes_lock = threading.Lock()
+_warned_threads: set[int] = set()
+
+
+def _warn_if_scoped_elsewhere() -> None:
+    me = threading.get_ident()
+    if me in _warned_threads:
+        return
+    with _scopes_lock:
+        others = [(t, st[-1]) for t, st in _SCOPES_BY_THREAD.items() if t != me]
+    if not others:
+        return
+    _warned_threads.add(me)
+    names = {t.ident: t.name for t in threading.enumerate()}
+    where = ", ".join(f"{s!r} in thread {names.get(t, t)!r}" for t, s in others)
+    warnings.warn(
+        f"jaxdist: thread {threading.current_thread().name!r} is in no strategy scope, so it "
+        f"uses the default strategy (one device), while a scope is active elsewhere: {where}. "
+        "A strategy scope does not carry over to threads started inside it (contextvars are "
+        "per thread). Enter `with strategy.scope():` inside the thread, or start it with "
+        "contextvars.copy_context().run(...).",
+        RuntimeWarning,
+        stacklevel=3,
+    )
 
 
 @contextlib.contextmanager
@@ -432,7 +475,11 @@ def _default_strategy() -> Strategy:
 def get_strategy() -> Strategy:
     """The strategy in effect: the innermost scope's, else the default strategy."""
     state = _STATE.get()
-    return state.strategy if state.strategy is not None else _default_strategy()
+    if state.strategy is not None:
+        return state.strategy
+    if _SCOPES_BY_THREAD:
+        _warn_if_scoped_elsewhere()
+    return _default_strategy()
 
 
 def has_strategy() -> bool:

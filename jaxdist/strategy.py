@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -386,9 +387,17 @@ class Strategy:
         where = self._name("reduce")
         check_cross_replica(self, "reduce")
         op = ReduceOp.from_any(reduce_op, where=where)
+        if axis is not None and (isinstance(axis, bool) or not isinstance(axis, int)):
+            raise TypeError(
+                f"{where}: axis must be an int or None, got {axis!r}; None reduces across "
+                "replicas only, an int also along that axis of each replica's value."
+            )
         n = self.num_replicas_in_sync
         leaves, treedef = jax.tree.flatten(value, is_leaf=is_distributed)
         leaves = [as_distributed(x) for x in leaves]
+        self._check_counts(where, leaves)
+        if op in (ReduceOp.MAX, ReduceOp.MIN):
+            _check_not_empty(where, op, leaves, axis)
         spread = [x for x in leaves if isinstance(x, DistributedValues)]
 
         def compute() -> Any:
@@ -411,7 +420,16 @@ class Strategy:
         """Concatenates every replica's value along ``axis`` (cross-replica context)."""
         where = self._name("gather")
         check_cross_replica(self, "gather")
+        if isinstance(axis, bool) or not isinstance(axis, int):
+            raise TypeError(
+                f"{where}: axis must be an int naming the axis of each replica's value to "
+                f"concatenate along (0 for a batch), got {axis!r}. To combine replicas "
+                "without concatenating, use reduce."
+            )
         n = self.num_replicas_in_sync
+        self._check_counts(
+            where, [as_distributed(x) for x in jax.tree.leaves(value, is_leaf=is_distributed)]
+        )
         return self._gated(
             lambda: jax.tree.map(
                 lambda leaf: gather_leaf(where, as_distributed(leaf), axis, n),
@@ -430,9 +448,24 @@ class Strategy:
         leaves = [as_distributed(x) for x in leaves]
         if not any(isinstance(x, DistributedValues) for x in leaves):
             return (value,)
+        self._check_counts(self._name("experimental_local_results"), leaves)
         n_local = len(self.extended.worker_devices)
         columns = [x.values if isinstance(x, DistributedValues) else (x,) * n_local for x in leaves]
         return tuple(jax.tree.unflatten(treedef, list(row)) for row in zip(*columns, strict=True))
+
+    def _check_counts(self, where: str, leaves: Sequence[Any]) -> None:
+        """Every `PerReplica` leaf must have one row per replica of this strategy."""
+        n = self.num_replicas_in_sync
+        for x in leaves:
+            if isinstance(x, PerReplica):
+                rows = x.array.shape[0] if np.ndim(x.array) else 0
+                if rows != n:
+                    raise ValueError(
+                        f"{where}: a PerReplica value has {rows} per-replica values (shape "
+                        f"{tuple(np.shape(x.array))}) but {self!r} has {n} replicas. Use the "
+                        "strategy that produced it, or build it for this one "
+                        "(experimental_distribute_values_from_function)."
+                    )
 
     def experimental_distribute_values_from_function(
         self, value_fn: Callable[[ValueContext], Any]
@@ -516,6 +549,64 @@ class Strategy:
         from jaxdist.input.distribute import distribute_from_function
 
         return distribute_from_function(self, dataset_fn, options)
+
+    def experimental_distribute_datasets_from_function(
+        self, dataset_fn: Callable[[Any], Any], options: Any = None
+    ) -> Any:
+        """Deprecated alias of `distribute_datasets_from_function` (TF's old name)."""
+        warnings.warn(
+            f"{self._name('experimental_distribute_datasets_from_function')} is deprecated "
+            "(as in TF); call distribute_datasets_from_function.",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return self.distribute_datasets_from_function(dataset_fn, options)
+
+    def experimental_make_numpy_dataset(self, numpy_input: Any) -> Any:
+        """TF 1.x's in-memory dataset of rows: batch it, then distribute it.
+
+        ``strategy.experimental_make_numpy_dataset((x, y)).batch(64)`` is
+        ``jd.data.from_arrays(x, y, batch_size=64)``, a dataset of global batches
+        for `experimental_distribute_dataset`.
+        """
+        return _NumpyRows(numpy_input)
+
+    def experimental_run(self, fn: Callable[..., Any], input_iterator: Any = None) -> Any:
+        """TF 1.x style: runs ``fn(ctx, inputs)`` on the next element of ``input_iterator``
+        (a `DistributedIterator`), or ``fn(ctx)`` without one; see `run`."""
+        if input_iterator is None:
+            return self.run(fn)
+        return self.run(fn, args=(next(input_iterator),))
+
+
+class _NumpyRows:
+    """Rows of in-memory arrays, to be batched (`Strategy.experimental_make_numpy_dataset`)."""
+
+    def __init__(self, numpy_input: Any) -> None:
+        self._input = numpy_input
+
+    def batch(self, batch_size: int, drop_remainder: bool = False) -> Any:
+        from jaxdist.data import from_arrays
+
+        data = self._input
+        arrays = data if isinstance(data, tuple) else (data,)
+        return from_arrays(*arrays, batch_size=batch_size, drop_remainder=drop_remainder)
+
+
+def _check_not_empty(where: str, op: ReduceOp, leaves: Sequence[Any], axis: int | None) -> None:
+    """MAX/MIN along an empty axis has no identity element: say so before XLA does."""
+    if axis is None:
+        return
+    for x in leaves:
+        arr = x.array if isinstance(x, DistributedValues) else x
+        shape = tuple(np.shape(arr))
+        per = shape[1:] if isinstance(x, PerReplica) else shape
+        if per and -len(per) <= axis < len(per) and per[axis] == 0:
+            raise ValueError(
+                f"{where}: cannot take the {op.name} along axis {axis} of per-replica values of "
+                f"shape {per}: the axis is empty and {op.name} has no identity element. Skip "
+                "empty values, or reduce with SUM."
+            )
 
 
 def _local_column(x: Any, n_local: int) -> tuple[Any, ...]:

@@ -5,11 +5,18 @@ axis (replica ``r`` owns row ``r``); a `Mirrored` holds one array replicated on
 every replica's device. Both are pytree nodes with that single array as their
 only leaf, so they pass through `jax.jit`, `jax.tree.map` and checkpointing
 like any other pytree, in one process or many.
+
+A `Mirrored` value is the same everywhere, so it converts like an array
+(``float``, ``np.asarray``, ``jnp`` functions). A `PerReplica` value has no
+single value: converting it raises a `TypeError` that names
+`Strategy.reduce` and `Strategy.experimental_local_results`.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -52,8 +59,64 @@ class DistributedValues:
     def _local_components(self) -> tuple[Any, ...]:
         raise NotImplementedError
 
+    def _fields(self) -> tuple[Any, ...]:
+        return (self.array,)
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.array!r})"
+
+    # Copies and pickling: host arrays, placed again where they are used ---------------
+
+    def __copy__(self) -> DistributedValues:
+        return _make(type(self), self._fields())
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> DistributedValues:
+        return _make(type(self), tuple(copy.deepcopy(f, memo) for f in self._fields()))
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        host: list[Any] = []
+        for f in self._fields():
+            if f is None:
+                host.append(None)
+                continue
+            if is_tracer(f):
+                raise TypeError(
+                    f"pickle: cannot pickle a {type(self).__name__} holding a traced value; "
+                    "pickle outputs after the computation returns."
+                )
+            if isinstance(f, jax.Array) and not f.is_fully_addressable:
+                raise TypeError(
+                    f"pickle: this {type(self).__name__} spans devices of several processes "
+                    "and no process holds all of it. Save distributed state with "
+                    "jd.checkpoint.save (orbax, every process writes its part) or "
+                    "jd.checkpoint.to_saveable instead."
+                )
+            host.append(np.asarray(f))
+        return (_unpickle, (type(self), tuple(host)))
+
+
+def _make(cls: type, fields: tuple[Any, ...]) -> Any:
+    """Builds a value from its fields without the public constructor's conversions."""
+    v: Any = object.__new__(cls)
+    for name, f in zip(_FIELD_NAMES[cls], fields, strict=True):
+        object.__setattr__(v, name, f)
+    return v
+
+
+def _unpickle(cls: type, fields: tuple[Any, ...]) -> Any:
+    """Restores a pickled value; placed on the current strategy's devices when it fits."""
+    from jaxdist.context import get_strategy
+
+    strategy = get_strategy()
+    array = fields[0]
+    if cls is PerReplica and np.ndim(array) and array.shape[0] == strategy.num_replicas_in_sync:
+        spec = jax.sharding.PartitionSpec(strategy.axis_name)
+        array = jax.device_put(array, jax.sharding.NamedSharding(strategy.mesh, spec))
+    elif cls is Mirrored:
+        array = jax.device_put(
+            array, jax.sharding.NamedSharding(strategy.mesh, jax.sharding.PartitionSpec())
+        )
+    return _make(cls, (array, *fields[1:]))
 
 
 def _addressable_shards(array: Any) -> list[Any] | None:
@@ -62,36 +125,99 @@ def _addressable_shards(array: Any) -> list[Any] | None:
     return None
 
 
+def _no_single_value(kind: str) -> TypeError:
+    return TypeError(
+        f"a PerReplica value holds one value per replica, so it has no single {kind}. Combine "
+        "the replicas with strategy.reduce('sum' | 'mean', value, axis=None), or look at "
+        "each one with strategy.experimental_local_results(value)."
+    )
+
+
+def _stack(values: Sequence[Any]) -> Any:
+    """TF's ``PerReplica((v0, v1, ...))``: one global array, placed by the current strategy."""
+    from jaxdist.context import get_strategy
+
+    if not values:
+        raise ValueError("PerReplica: got an empty list of per-replica values.")
+    leaves = [np.asarray(v) if not isinstance(v, jax.Array) else v for v in values]
+    if any(isinstance(v, (dict, list, tuple)) for v in values):
+        raise TypeError(
+            "PerReplica: a list of per-replica values must hold arrays, not pytrees. For "
+            "per-replica pytrees use strategy.experimental_distribute_values_from_function("
+            "lambda ctx: tree_for(ctx.replica_id_in_sync_group))."
+        )
+    shapes = {tuple(np.shape(v)) for v in leaves}
+    dtypes = {np.result_type(v) for v in leaves}
+    if len(shapes) > 1 or len(dtypes) > 1:
+        raise ValueError(
+            f"PerReplica: the {len(values)} per-replica values must share shape and dtype to "
+            f"form one global array; got shapes {sorted(shapes)} and dtypes "
+            f"{sorted(map(str, dtypes))}. Pad them to a common shape."
+        )
+    stacked = jax.numpy.stack([jax.numpy.asarray(v) for v in leaves])
+    strategy = get_strategy()
+    if strategy.num_replicas_in_sync == len(values):
+        spec = jax.sharding.PartitionSpec(strategy.axis_name)
+        stacked = jax.device_put(stacked, jax.sharding.NamedSharding(strategy.mesh, spec))
+    return stacked
+
+
 class PerReplica(DistributedValues):
     """A value that differs between replicas: row ``r`` of ``array`` is replica ``r``'s.
 
     `Strategy.run` unwraps it, so replica ``r`` sees ``array[r]``; `run`
-    returns one for every output that varies across replicas.
+    returns one for every output that varies across replicas. As in TF, it can
+    also be built from a list or tuple of per-replica values, which are stacked
+    into one global array (placed on the devices of the strategy in effect when
+    the count matches its replicas).
 
     ``valid`` (optional, an int array of shape ``(N,)``) marks a padded batch:
     replica ``r``'s first ``valid[r]`` rows are data, the rest padding. The
-    distributed datasets attach it to every batch; inside `Strategy.run` it is
-    ``ctx.num_valid`` / ``ctx.valid_mask(rows)``, `Strategy.reduce` with
-    ``axis=0`` counts only valid rows, and `values` leaves the padding out.
+    distributed datasets attach it to every batch, and `run` to every
+    per-replica output computed from such a batch; inside `Strategy.run` it is
+    ``ctx.num_valid`` / ``ctx.valid_mask(rows)``; `Strategy.reduce` with
+    ``axis=0``, `Strategy.gather` along axis 0 and `values` leave the padding out.
 
     Example:
         >>> import jax.numpy as jnp, jaxdist as jd
         >>> v = jd.PerReplica(jnp.array([1.0, 2.0]))
         >>> [float(x) for x in v.values]
         [1.0, 2.0]
+        >>> [float(x) for x in jd.PerReplica([3.0, 4.0]).values]
+        [3.0, 4.0]
     """
 
     __slots__ = ("valid",)
     valid: Any
 
     def __init__(self, array: Any, valid: Any = None) -> None:
+        if isinstance(array, (list, tuple)):
+            array = _stack(array)
         super().__init__(array)
         object.__setattr__(self, "valid", valid)
+
+    def _fields(self) -> tuple[Any, ...]:
+        return (self.array, self.valid)
 
     def __repr__(self) -> str:
         if self.valid is None:
             return f"PerReplica({self.array!r})"
         return f"PerReplica({self.array!r}, valid={self.valid!r})"
+
+    def __float__(self) -> float:
+        raise _no_single_value("float value")
+
+    def __int__(self) -> int:
+        raise _no_single_value("int value")
+
+    def __index__(self) -> int:
+        raise _no_single_value("index")
+
+    def __array__(self, dtype: Any = None, copy: bool | None = None) -> np.ndarray:
+        raise _no_single_value("array value (np.asarray)")
+
+    def __jax_array__(self) -> Any:
+        raise _no_single_value("array value (jnp.asarray)")
 
     def _local_components(self) -> tuple[Any, ...]:
         rows = self._local_rows()
@@ -126,7 +252,13 @@ class Mirrored(DistributedValues):
     """A value identical on every replica (for example the result of an all-reduce).
 
     ``array`` is the value itself (no replica axis), replicated on each
-    replica's device.
+    replica's device. It converts like that array.
+
+    Example:
+        >>> import jax.numpy as jnp, numpy as np, jaxdist as jd
+        >>> m = jd.Mirrored(jnp.float32(3.0))
+        >>> float(m), np.asarray(m).tolist(), float(jnp.add(m, 1))
+        (3.0, 3.0, 4.0)
     """
 
     __slots__ = ()
@@ -137,6 +269,29 @@ class Mirrored(DistributedValues):
             return (self.array,)
         return tuple(s.data for s in shards)
 
+    def __float__(self) -> float:
+        return float(self.array)
+
+    def __int__(self) -> int:
+        return int(self.array)
+
+    def __index__(self) -> int:
+        return int(self.array.__index__())
+
+    def __bool__(self) -> bool:
+        return bool(self.array)
+
+    def __array__(self, dtype: Any = None, copy: bool | None = None) -> np.ndarray:
+        return np.asarray(self.array, dtype=dtype)
+
+    def __jax_array__(self) -> Any:
+        return self.array
+
+
+_FIELD_NAMES: dict[type, tuple[str, ...]] = {
+    PerReplica: ("array", "valid"),
+    Mirrored: ("array",),
+}
 
 jax.tree_util.register_pytree_with_keys(
     PerReplica,
@@ -147,13 +302,13 @@ jax.tree_util.register_pytree_with_keys(
         ),
         None,
     ),
-    lambda _, children: PerReplica(*children),
+    lambda _, children: _make(PerReplica, tuple(children)),
     lambda v: ((v.array, v.valid), None),
 )
 jax.tree_util.register_pytree_with_keys(
     Mirrored,
     lambda v: (((jax.tree_util.GetAttrKey("array"), v.array),), None),
-    lambda _, children: Mirrored(*children),
+    lambda _, children: _make(Mirrored, tuple(children)),
     lambda v: ((v.array,), None),
 )
 

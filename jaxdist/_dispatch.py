@@ -7,40 +7,63 @@ dispatches such a program on CPU it waits for the previous one's outputs, so
 at most one is in flight; Python still overlaps with that one program. GPU
 and TPU programs are never waited on: asynchronous dispatch is what makes
 them fast there.
+
+`gated` holds one lock around wait, dispatch and record, so programs
+dispatched from several threads are serialized too. The wait itself is one
+``block_until_ready`` on one output array of the previous program (all of a
+program's outputs become ready together).
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable
 from typing import Any
 
 import jax
 
 from jaxdist._jax_compat import is_tracer
 
-_lock = threading.Lock()
-_pending: list[Any] = []
+_lock = threading.RLock()
+_last: list[Any] = [None]  # one output array of the last gated program
 
 
-def needs_gate(devices: Sequence[jax.Device]) -> bool:
+def needs_gate(devices: Any) -> bool:
     """True when programs over ``devices`` must not overlap (several CPU devices)."""
     return len(devices) > 1 and devices[0].platform == "cpu"
+
+
+def _an_array(outputs: Any) -> Any:
+    """One concrete output array of a program (None if there is none)."""
+    if isinstance(outputs, jax.Array):
+        return None if is_tracer(outputs) else outputs
+    array = getattr(outputs, "array", None)  # a Mirrored / PerReplica
+    if isinstance(array, jax.Array):
+        return None if is_tracer(array) else array
+    for leaf in jax.tree.leaves(outputs):
+        if isinstance(leaf, jax.Array):
+            return None if is_tracer(leaf) else leaf
+    return None
+
+
+def gated(dispatch: Callable[[], Any]) -> Any:
+    """Waits for the previous gated program, runs ``dispatch()``, remembers its outputs."""
+    with _lock:
+        prev = _last[0]
+        if prev is not None:
+            _last[0] = None
+            prev.block_until_ready()
+        out = dispatch()
+        leaf = _an_array(out)
+        if leaf is not None:
+            _last[0] = leaf
+        return out
 
 
 def wait_for_previous() -> None:
     """Blocks until the last gated program's outputs are ready."""
     with _lock:
-        pending = list(_pending)
-        _pending.clear()
-    if pending:
-        jax.block_until_ready(pending)
-
-
-def record(outputs: Any) -> None:
-    """Remembers ``outputs`` of a just-dispatched gated program (tracers are ignored)."""
-    for leaf in jax.tree.leaves(outputs):
-        if isinstance(leaf, jax.Array) and not is_tracer(leaf):
-            with _lock:
-                _pending[:] = [leaf]
-            return
+        prev = _last[0]
+        _last[0] = None
+    if prev is not None:
+        prev.block_until_ready()

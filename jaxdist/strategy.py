@@ -13,6 +13,7 @@ import contextlib
 import dataclasses
 import functools
 import warnings
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -91,6 +92,7 @@ class Strategy:
         "_gate",
         "_hash",
         "_key",
+        "_last_program",
         "_mesh",
         "_parameter_placed",
     )
@@ -102,6 +104,9 @@ class Strategy:
     _mesh: Mesh
     _cross_device_ops: CrossDeviceOps
     _parameter_placed: bool  # variables live on one parameter device (central storage)
+    # [weakref to fn, program] of the last run() without options: a repeat call skips the
+    # cache lookup.
+    _last_program: list[Any]
 
     def __init__(
         self,
@@ -136,6 +141,7 @@ class Strategy:
         object.__setattr__(self, "_hash", hash(key))
         object.__setattr__(self, "_gate", _dispatch.needs_gate(devices))
         object.__setattr__(self, "_parameter_placed", self.parameter_device is not None)
+        object.__setattr__(self, "_last_program", [None, None])
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -238,6 +244,16 @@ class Strategy:
             >>> float(s.run(lambda ctx, x: ctx.all_reduce("sum", x * 2), args=(3.0,)))
             6.0
         """
+        last = self._last_program
+        ref = last[0]
+        if (
+            ref is not None
+            and ref() is fn
+            and options is None
+            and type(args) is tuple
+            and kwargs is None
+        ):
+            return self._dispatch(last[1], args, {})  # the same function again: fast path
         if not callable(fn):
             raise TypeError(
                 f"{self._name('run')}: fn must be callable, got {type(fn).__name__} "
@@ -258,7 +274,13 @@ class Strategy:
                 f"{self._name('run')}: options must be a jaxdist.RunOptions, got "
                 f"{type(options).__name__}."
             )
-        return self._dispatch(program_for(fn, self, options), args, kwargs)
+        program = program_for(fn, self, options)
+        if options is None:
+            try:  # held weakly, like the program cache: a dead function frees its program
+                last[0], last[1] = weakref.ref(fn), program
+            except TypeError:
+                last[0] = None
+        return self._dispatch(program, args, kwargs)
 
     def _check_args(self, args: Any) -> tuple[Any, ...]:
         if not isinstance(args, (tuple, list)):
@@ -276,9 +298,16 @@ class Strategy:
         if self._parameter_placed:
             args, kwargs = _variables_to(self._mesh_replicated(), (args, kwargs))
         if self._gate:
-            _dispatch.wait_for_previous()
+            out = _dispatch.gated(lambda: self._call(program, args, kwargs))
+        else:
+            out = self._call(program, args, kwargs)
+        if self._parameter_placed:
+            out = _variables_to(jax.sharding.SingleDeviceSharding(self.parameter_device), out)
+        return out
+
+    def _call(self, program: Program, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         try:
-            out = program(args, kwargs)
+            return program(args, kwargs)
         except TypeError as e:
             better = describe_bad_leaf(self, args, kwargs)
             if better is not None:
@@ -290,12 +319,7 @@ class Strategy:
             # Some argument is committed to devices outside this strategy's mesh (for
             # example one replica's local result): place it on the mesh and retry.
             args, kwargs = _onto_mesh(self, (args, kwargs))
-            out = program(args, kwargs)
-        if self._gate:
-            _dispatch.record(out)
-        if self._parameter_placed:
-            out = _variables_to(jax.sharding.SingleDeviceSharding(self.parameter_device), out)
-        return out
+            return program(args, kwargs)
 
     def _nested_run_error(self, merging: bool) -> RuntimeError:
         name = type(self).__name__
@@ -364,12 +388,7 @@ class Strategy:
     # Cross-replica API ------------------------------------------------------------------
 
     def _gated(self, thunk: Callable[[], Any]) -> Any:
-        if not self._gate:
-            return thunk()
-        _dispatch.wait_for_previous()
-        out = thunk()
-        _dispatch.record(out)
-        return out
+        return _dispatch.gated(thunk) if self._gate else thunk()
 
     def reduce(self, reduce_op: ReduceOp | str, value: Any, axis: int | None = None) -> Any:
         """Reduces ``value`` across replicas (and along ``axis`` of each replica's value).

@@ -39,7 +39,7 @@ def main(n_devices: int) -> dict[str, float]:
     fn = strategy.function(step)
     times = _harness.compare(
         {
-            "hand": lambda: hand(x).block_until_ready(),
+            "hand": lambda: jax.block_until_ready(hand(x)),
             "run": lambda: jax.block_until_ready(strategy.run(step, args=(per_replica,))),
             "function": lambda: jax.block_until_ready(fn(per_replica)),
         },

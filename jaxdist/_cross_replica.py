@@ -105,6 +105,18 @@ def _gather_jit(x: jax.Array, axis: int) -> jax.Array:
     return moved.reshape((*shape[:axis], shape[axis] * shape[axis + 1], *shape[axis + 2 :]))
 
 
+def _replicated(x: Any) -> Any:
+    """``x`` readable by every process: an array split across processes is all-gathered
+    (a multi-process strategy's gather); anything else is returned as is."""
+    if not isinstance(x, jax.Array) or x.is_fully_addressable or x.is_fully_replicated:
+        return x
+    mesh = getattr(x.sharding, "mesh", None)
+    if mesh is None:  # pragma: no cover - strategies always use named shardings
+        return x
+    sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    return jax.jit(lambda a: a, out_shardings=sharding)(x)
+
+
 def gather_leaf(where: str, leaf: Any, axis: int, num_replicas: int) -> Any:
     """Concatenates every replica's value of one leaf along ``axis``."""
     if isinstance(leaf, PerReplica):
@@ -118,9 +130,13 @@ def gather_leaf(where: str, leaf: Any, axis: int, num_replicas: int) -> Any:
             )
         ax = _check_axis(where, axis, rank, tuple(x.shape[1:]))
         assert ax is not None
+        out = _replicated(_gather_jit(x, ax))
         if ax == 0 and leaf.valid is not None:  # leave the padding out
-            return jnp.asarray(np.concatenate([np.asarray(v) for v in leaf.values], axis=0))
-        return _gather_jit(x, ax)
+            valid = np.asarray(_replicated(leaf.valid))
+            b = x.shape[1]
+            rows = np.concatenate([np.arange(r * b, r * b + int(k)) for r, k in enumerate(valid)])
+            return jnp.asarray(np.asarray(out)[rows])
+        return out
     x = jnp.asarray(leaf.array if isinstance(leaf, Mirrored) else leaf)
     if x.ndim == 0:
         raise ValueError(f"{where}: cannot gather a scalar along axis {axis}.")

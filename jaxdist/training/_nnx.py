@@ -23,6 +23,7 @@ from __future__ import annotations
 import operator
 import sys
 from collections.abc import Sequence
+from itertools import chain
 from typing import Any
 
 import jax
@@ -88,18 +89,22 @@ class StateCache:
             for _, node in nnx.iter_graph(objects)
             if isinstance(node, nnx.Pytree) and hasattr(node, "__dict__")
         ]
-        self.snapshots = [tuple(vars(node).values()) for node in self.nodes]
+        self.snapshots = self._fingerprint()
+
+    def _fingerprint(self) -> tuple[list[int], list[Any]]:
+        """Each node's attribute count, and every attribute value, in order."""
+        dicts = list(map(vars, self.nodes))
+        return list(map(len, dicts)), list(chain.from_iterable(map(dict.values, dicts)))
 
     def unchanged(self, objects: Sequence[Any]) -> bool:
         """True when ``objects`` are the cached ones with the same graph structure."""
         if len(objects) != len(self.objects) or not all(map(operator.is_, objects, self.objects)):
             return False
-        is_ = operator.is_
-        for node, snap in zip(self.nodes, self.snapshots, strict=True):
-            d = vars(node)
-            if len(d) != len(snap) or not all(map(is_, d.values(), snap)):
-                return False
-        return True
+        lengths, values = self.snapshots
+        dicts = list(map(vars, self.nodes))
+        if list(map(len, dicts)) != lengths:
+            return False
+        return all(map(operator.is_, chain.from_iterable(map(dict.values, dicts)), values))
 
     def read(self) -> list[Any]:
         """The variables' current values (no copies)."""

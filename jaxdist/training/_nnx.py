@@ -48,6 +48,7 @@ def _path_str(path: Sequence[Any]) -> str:
 
 
 _setattr = object.__setattr__
+_dict_values: Any = dict.values
 
 
 class StateCache:
@@ -94,7 +95,7 @@ class StateCache:
     def _fingerprint(self) -> tuple[list[int], list[Any]]:
         """Each node's attribute count, and every attribute value, in order."""
         dicts = list(map(vars, self.nodes))
-        return list(map(len, dicts)), list(chain.from_iterable(map(dict.values, dicts)))
+        return list(map(len, dicts)), list(chain.from_iterable(map(_dict_values, dicts)))
 
     def unchanged(self, objects: Sequence[Any]) -> bool:
         """True when ``objects`` are the cached ones with the same graph structure."""
@@ -104,7 +105,7 @@ class StateCache:
         dicts = list(map(vars, self.nodes))
         if list(map(len, dicts)) != lengths:
             return False
-        return all(map(operator.is_, chain.from_iterable(map(dict.values, dicts)), values))
+        return all(map(operator.is_, chain.from_iterable(map(_dict_values, dicts)), values))
 
     def read(self) -> list[Any]:
         """The variables' current values (no copies)."""

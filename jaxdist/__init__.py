@@ -4,7 +4,8 @@ Only the names re-exported here (and the ``jaxdist.experimental`` module) are
 public; every other module is internal.
 """
 
-from jaxdist import checkpoint, data, experimental
+from jaxdist import checkpoint, cluster_resolver, data, experimental
+from jaxdist.cluster_resolver import initialize
 from jaxdist.context import (
     ReplicaContext,
     experimental_set_strategy,
@@ -64,6 +65,7 @@ __all__ = [
     "VariableAggregation",
     "VariableSynchronization",
     "checkpoint",
+    "cluster_resolver",
     "data",
     "experimental",
     "experimental_set_strategy",
@@ -71,5 +73,6 @@ __all__ = [
     "get_strategy",
     "has_strategy",
     "in_cross_replica_context",
+    "initialize",
     "train_step",
 ]

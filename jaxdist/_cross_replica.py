@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxdist._jax_compat import is_tracer
 from jaxdist.reduce import ReduceOp
 from jaxdist.values import Mirrored, PerReplica
 
@@ -108,7 +109,9 @@ def _gather_jit(x: jax.Array, axis: int) -> jax.Array:
 def _replicated(x: Any) -> Any:
     """``x`` readable by every process: an array split across processes is all-gathered
     (a multi-process strategy's gather); anything else is returned as is."""
-    if not isinstance(x, jax.Array) or x.is_fully_addressable or x.is_fully_replicated:
+    if not isinstance(x, jax.Array) or is_tracer(x):  # inside a merge_fn: nothing to move
+        return x
+    if x.is_fully_addressable or x.is_fully_replicated:
         return x
     mesh = getattr(x.sharding, "mesh", None)
     if mesh is None:  # pragma: no cover - strategies always use named shardings
@@ -131,7 +134,7 @@ def gather_leaf(where: str, leaf: Any, axis: int, num_replicas: int) -> Any:
         ax = _check_axis(where, axis, rank, tuple(x.shape[1:]))
         assert ax is not None
         out = _replicated(_gather_jit(x, ax))
-        if ax == 0 and leaf.valid is not None:  # leave the padding out
+        if ax == 0 and leaf.valid is not None and not is_tracer(out):  # leave padding out
             valid = np.asarray(_replicated(leaf.valid))
             b = x.shape[1]
             rows = np.concatenate([np.arange(r * b, r * b + int(k)) for r, k in enumerate(valid)])

@@ -2,12 +2,42 @@
 
 `to_saveable` turns a state pytree into plain host arrays: a mirrored
 variable saves its value, an ``ON_READ`` variable its aggregate (the sum of
-its copies for ``SUM``). `from_saveable` puts saved arrays back into a
-*template* created under any strategy (any replica count): each variable is
-set with cross-replica ``assign``, so restoring an ``ON_READ`` ``SUM``
-variable divides the saved total by the new replica count and ``MEAN`` ones
-restore as they are. `save` / `restore` write and read a directory with
-orbax-checkpoint (``pip install jaxdist[checkpoint]``).
+its copies for ``SUM``; replica 0's copy without an aggregation, as TF does).
+`from_saveable` puts saved arrays back into a *template* created under any
+strategy (any replica count). `save` / `restore` write and read a directory
+with orbax-checkpoint (``pip install jaxdist[checkpoint]``).
+
+Matching and checks. Saved leaves are matched to the template's by their
+path (dict keys, attribute names, sequence positions), never by position: a
+checkpoint whose keys were renamed, or that lacks or adds entries, raises
+`ValueError` naming the paths. Every leaf's shape must equal the template's
+(no broadcasting), and its dtype must convert without loss:
+
+- the same dtype, bool into anything, an integer into a wider integer, or
+  into a narrower one or a float when every saved value fits exactly;
+- a float (or complex) into a wider one, and 64 into 32 bits (``float64`` to
+  ``float32``, what JAX itself does while ``jax_enable_x64`` is off);
+- never a float into an integer, a complex into a real, anything into bool,
+  or a float into a narrower 16-bit type (cast the checkpoint yourself).
+
+Replica counts. A variable's checkpoint holds one value, so it restores
+under any replica count: ``ON_WRITE`` variables take it; ``ON_READ`` ``SUM``
+variables split the total across their copies (exactly for integers:
+quotient plus remainder on the first copies), ``MEAN`` and
+``ONLY_FIRST_REPLICA`` ones put it in every copy. A raw `PerReplica` leaf
+holds one row per replica and has no rule to re-split, so it restores only
+into a template with the same replica count.
+
+Checksums. `save` writes ``jaxdist_manifest.json`` beside orbax's files: the
+path, dtype, shape and SHA-256 of every saved leaf's bytes. `restore`
+compares what orbax read back against it and raises `ValueError` naming the
+leaf and the directory on any difference, so a flipped byte in the data
+cannot restore silently. The manifest covers the restored *values*, not
+orbax's files: a changed byte that alters no restored value (padding, or an
+unused field of orbax's metadata) goes unreported, and one that orbax cannot
+parse surfaces as orbax's error, wrapped in a `ValueError` naming the
+directory. The checksums detect accidents (disk, copy, transfer errors), not
+tampering: whoever can rewrite the data can rewrite the manifest.
 
 Example:
     >>> import jax.numpy as jnp, jaxdist as jd
@@ -20,16 +50,27 @@ Example:
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
+from collections.abc import Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
-from jaxdist.values import DistributedValues
-from jaxdist.variables import Variable, VariableAggregation
+from jaxdist._variable_dtypes import lossy_cast
+from jaxdist.values import DistributedValues, Mirrored, PerReplica
+from jaxdist.variables import Variable
 
-__all__ = ["from_saveable", "restore", "save", "to_saveable"]
+__all__ = ["MANIFEST", "from_saveable", "restore", "save", "to_saveable"]
+
+MANIFEST = "jaxdist_manifest.json"
+"""The name of the checksum manifest `save` writes into a checkpoint directory."""
+
+_FORMAT = "jaxdist-checkpoint-manifest"
+_LIST_AT_MOST = 5
 
 
 def _is_node(x: Any) -> bool:
@@ -38,45 +79,206 @@ def _is_node(x: Any) -> bool:
 
 def _saved_value(x: Any) -> Any:
     if isinstance(x, Variable):
-        if x.is_on_read and x.aggregation is VariableAggregation.NONE:
-            return np.asarray(x.device_values[0])  # no aggregate: replica 0's copy, as TF saves
-        return np.asarray(x.read_value())
+        return np.asarray(x._checkpoint_value())
     if isinstance(x, DistributedValues):
         return np.asarray(x.array)
     return np.asarray(x)
 
 
 def to_saveable(state: Any) -> Any:
-    """The pytree ``state`` with every leaf as a host NumPy array, variables aggregated."""
+    """The pytree ``state`` with every leaf as a host NumPy array, variables aggregated.
+
+    Args:
+        state: a pytree of arrays, `Variable` and `DistributedValues` leaves.
+
+    Returns:
+        The same structure with NumPy arrays at the leaves.
+    """
     return jax.tree.map(_saved_value, state, is_leaf=_is_node)
+
+
+# Paths ------------------------------------------------------------------------------
+
+
+def _tokens(path: Sequence[Any]) -> tuple[str, ...]:
+    """A key path as names, the same for a dict key, an attribute or a position (orbax
+    restores tuples as lists and custom nodes as dicts)."""
+    out = []
+    for k in path:
+        for attr in ("key", "name", "idx"):
+            if hasattr(k, attr):
+                out.append(str(getattr(k, attr)))
+                break
+        else:
+            out.append(str(k))
+    return tuple(out)
+
+
+def _show(tokens: Sequence[str]) -> str:
+    if not tokens:
+        return "<root>"
+    return "".join(f"[{t}]" if t.isdigit() else f"[{t!r}]" for t in tokens)
+
+
+def _listed(paths: Sequence[tuple[str, ...]]) -> str:
+    shown = ", ".join(_show(p) for p in paths[:_LIST_AT_MOST])
+    more = len(paths) - _LIST_AT_MOST
+    return shown + (f" and {more} more" if more > 0 else "")
+
+
+def _indexed(where: str, tree: Any) -> dict[tuple[str, ...], Any]:
+    """The leaves of a saved tree by path."""
+    out: dict[tuple[str, ...], Any] = {}
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_node)[0]:
+        key = _tokens(path)
+        if key in out:
+            raise ValueError(
+                f"{where}: the saved state has two entries named {_show(key)} (for example the "
+                "dict keys 0 and '0'); give them distinct names."
+            )
+        out[key] = leaf
+    return out
+
+
+# Checks -----------------------------------------------------------------------------
+
+
+def _cast_problem(x: np.ndarray, dst: Any) -> str | None:
+    """Why the saved array ``x`` does not convert to ``dst`` without loss, or None."""
+    src, dst = x.dtype, np.dtype(dst)
+    if src == dst:
+        return None
+    reason = lossy_cast(src, dst)
+    if reason is not None or src == np.bool_:
+        return reason
+    if jnp.issubdtype(src, jnp.integer):
+        if not x.size:
+            return None
+        low, high = int(x.min()), int(x.max())
+        if jnp.issubdtype(dst, jnp.integer):
+            info = np.iinfo(dst)
+            ok = info.min <= low and high <= info.max
+            return None if ok else f"its values in [{low}, {high}] do not fit {dst}"
+        exact = 2 ** (jnp.finfo(dst).nmant + 1)
+        if max(-low, high) <= exact:
+            return None
+        return f"integers beyond +-{exact} are not exact in {dst}"
+    if not jnp.issubdtype(src, jnp.inexact):
+        return f"jaxdist does not convert {src} to {dst}"
+    if jnp.promote_types(src, dst) == dst:
+        return None  # widening
+    if jnp.finfo(src).bits == 64 and jnp.finfo(dst).bits == 32:
+        return None  # 64 into 32 bits, as JAX does with jax_enable_x64 off
+    return f"{src} to {dst} loses precision"
+
+
+def _check_leaf(
+    where: str, name: str, saved: np.ndarray, shape: tuple[int, ...], dtype: Any, what: str
+) -> None:
+    if tuple(saved.shape) != tuple(shape):
+        hint = ""
+        if saved.ndim == len(shape) + 1 and tuple(saved.shape[1:]) == tuple(shape):
+            hint = (
+                f" It looks like {saved.shape[0]} per-replica copies: save the variable "
+                "itself (to_saveable stores one aggregated value), not its device_values."
+            )
+        raise ValueError(
+            f"{where}: {name} has shape {tuple(saved.shape)} in the checkpoint, but {what} "
+            f"has shape {tuple(shape)}.{hint} Restore into a template built like the state "
+            "that was saved (same model and sizes)."
+        )
+    problem = _cast_problem(saved, dtype)
+    if problem is not None:
+        raise ValueError(
+            f"{where}: {name} is {saved.dtype} in the checkpoint, but {what} is "
+            f"{np.dtype(dtype)}: {problem}. Convert the checkpoint's value yourself if that is "
+            f"what you want (e.g. saved[...] = np.round(x).astype('{np.dtype(dtype)}')), or "
+            f"restore into a template of dtype {saved.dtype}."
+        )
+
+
+def _restore_leaf(where: str, name: str, saved: Any, t: Any) -> Any:
+    s = np.asarray(saved)
+    if isinstance(t, Variable):
+        _check_leaf(where, name, s, t.shape, t.dtype, f"variable {t.name!r}")
+        return t._restore(s)
+    if isinstance(t, PerReplica):
+        n, rows = t.shape[0], s.shape[0] if s.ndim else 0
+        if rows != n and s.ndim == len(t.shape) and s.shape[1:] == t.shape[1:]:
+            raise ValueError(
+                f"{where}: {name} holds {rows} per-replica values (shape {s.shape}) in the "
+                f"checkpoint, but the template's PerReplica has {n} replicas (shape "
+                f"{t.shape}). Per-replica values carry no rule to re-split them between "
+                f"replica counts: restore under a strategy with {rows} replicas, or keep such "
+                "state in an ON_READ jd.Variable (SUM / MEAN restore under any count), or save "
+                "an aggregate (strategy.reduce)."
+            )
+        _check_leaf(where, name, s, t.shape, t.dtype, "the template's PerReplica")
+        return PerReplica(jax.device_put(s.astype(t.dtype), t.array.sharding))
+    if isinstance(t, Mirrored):
+        _check_leaf(where, name, s, t.shape, t.dtype, "the template's Mirrored value")
+        return Mirrored(jax.device_put(s.astype(t.dtype), t.array.sharding))
+    if isinstance(t, jax.Array):
+        _check_leaf(where, name, s, t.shape, t.dtype, "the template's array")
+        return jax.device_put(s.astype(t.dtype), t.sharding)
+    if isinstance(t, (np.ndarray, np.generic)):
+        _check_leaf(where, name, s, t.shape, t.dtype, "the template's array")
+        return s.astype(t.dtype) if isinstance(t, np.ndarray) else t.dtype.type(s)
+    if isinstance(t, (bool, int, float, complex)):
+        _check_leaf(where, name, s, (), np.asarray(t).dtype, f"the template's {type(t).__name__}")
+        return type(t)(s.item())
+    return saved  # not an array: kept as saved
+
+
+def _restore_tree(where: str, saved: Any, template: Any) -> Any:
+    leaves = _indexed(where, saved)
+    t_flat, t_def = jax.tree_util.tree_flatten_with_path(template, is_leaf=_is_node)
+    t_keys = [_tokens(path) for path, _ in t_flat]
+    known = set(t_keys)
+    missing = [k for k in t_keys if k not in leaves]
+    extra = [k for k in leaves if k not in known]
+    if missing or extra:
+        parts = []
+        if missing:
+            parts.append(f"the template has {_listed(missing)}, which the checkpoint lacks")
+        if extra:
+            parts.append(f"the checkpoint has {_listed(extra)}, which the template lacks")
+        raise ValueError(
+            f"{where}: the checkpoint does not match the template: {'; '.join(parts)}. "
+            "Leaves are matched by path (dict keys, attribute names, positions), not by "
+            "order. Build the template with the names of the state that was saved, or rename "
+            "the saved entries first (e.g. saved['new'] = saved.pop('old'))."
+        )
+    out = [
+        _restore_leaf(where, _show(k), _saved_value(leaves[k]), t)
+        for k, (_, t) in zip(t_keys, t_flat, strict=True)
+    ]
+    return jax.tree.unflatten(t_def, out)
 
 
 def from_saveable(saved: Any, template: Any) -> Any:
     """Puts ``saved`` (from `to_saveable`) into the placement of ``template``.
 
-    ``template`` has the structure of the saved state; its variables (created
-    in the target strategy's scope) give synchronization, aggregation and
-    placement. Other leaves are placed like the template's leaf.
+    Args:
+        saved: a pytree of arrays, as `to_saveable` returned it (or a reader of
+            its storage; tuples may come back as lists, objects as dicts).
+        template: the state to restore into, with the structure and names of
+            the saved state; its variables (created in the target strategy's
+            scope) give synchronization, aggregation and placement, its other
+            leaves shape, dtype and placement.
+
+    Returns:
+        ``template`` with the saved values.
+
+    Raises:
+        ValueError: a path missing on either side, a shape that differs, a
+            lossy dtype conversion, or a `PerReplica` saved under another
+            replica count (see the module docstring).
     """
-    saved_leaves = jax.tree.leaves(saved)
-    t_leaves, t_def = jax.tree.flatten(template, is_leaf=_is_node)
-    if len(saved_leaves) != len(t_leaves):
-        raise ValueError(
-            f"jaxdist.checkpoint.from_saveable: the saved state has {len(saved_leaves)} "
-            f"leaves but the template has {len(t_leaves)}; build the template with the same "
-            "structure as the state that was saved."
-        )
-    out: list[Any] = []
-    for s, t in zip(saved_leaves, t_leaves, strict=True):
-        if isinstance(t, Variable):
-            out.append(t.assign(s))
-        elif isinstance(t, DistributedValues):
-            out.append(type(t)(jax.device_put(np.asarray(s), t.array.sharding)))
-        elif isinstance(t, jax.Array):
-            out.append(jax.device_put(np.asarray(s, dtype=t.dtype), t.sharding))
-        else:
-            out.append(s)
-    return jax.tree.unflatten(t_def, out)
+    return _restore_tree("jaxdist.checkpoint.from_saveable", saved, template)
+
+
+# Files ------------------------------------------------------------------------------
 
 
 def _checkpointer() -> Any:
@@ -91,17 +293,131 @@ def _checkpointer() -> Any:
     return ocp.StandardCheckpointer()
 
 
+def _digest(x: np.ndarray) -> str:
+    return hashlib.sha256(np.ascontiguousarray(x).tobytes()).hexdigest()
+
+
+def _entries(where: str, tree: Any) -> dict[tuple[str, ...], dict[str, Any]]:
+    """Dtype, shape and checksum of every leaf of a saved tree, by path."""
+    out = {}
+    for path, leaf in _indexed(where, tree).items():
+        x = np.asarray(leaf)
+        out[path] = {"dtype": str(x.dtype), "shape": list(x.shape), "sha256": _digest(x)}
+    return out
+
+
 def save(directory: str | os.PathLike[str], state: Any) -> None:
-    """Writes `to_saveable(state)` to a new ``directory`` with orbax-checkpoint."""
+    """Writes `to_saveable(state)` to a new ``directory`` with orbax-checkpoint, and a
+    checksum manifest (`MANIFEST`) beside it that `restore` verifies.
+
+    Args:
+        directory: where to write; must not exist yet.
+        state: a pytree of arrays, variables and distributed values.
+    """
+    path = os.path.abspath(directory)
+    saveable = to_saveable(state)
+    entries = _entries("jaxdist.checkpoint.save", saveable)
     ckpt = _checkpointer()
-    ckpt.save(os.path.abspath(directory), to_saveable(state))
-    ckpt.wait_until_finished()
-    ckpt.close()
+    try:
+        ckpt.save(path, saveable)
+        ckpt.wait_until_finished()
+    finally:
+        ckpt.close()
+    manifest = {
+        "format": _FORMAT,
+        "version": 1,
+        "leaves": [{"path": list(p), **e} for p, e in entries.items()],
+    }
+    # Every process holds the whole host state, so each writes the same manifest (atomically,
+    # through its own temporary file): one that restores right after its save finds it there
+    # without waiting for another process.
+    tmp = os.path.join(path, f"{MANIFEST}.{jax.process_index()}.tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(manifest, f, indent=1)
+    os.replace(tmp, os.path.join(path, MANIFEST))
 
 
-def restore(directory: str | os.PathLike[str], template: Any) -> Any:
-    """Reads ``directory`` (written by `save`) into the placement of ``template``."""
+def _read_manifest(where: str, path: str) -> dict[tuple[str, ...], dict[str, Any]]:
+    file = os.path.join(path, MANIFEST)
+    skip = "pass verify=False to restore without checking (at your own risk)"
+    if not os.path.exists(file):
+        raise ValueError(
+            f"{where}: {path} has no checksum manifest {MANIFEST}: the save did not finish, "
+            f"or the checkpoint was not written by jaxdist.checkpoint.save. Restore an earlier "
+            f"checkpoint, or {skip}."
+        )
+    try:
+        with open(file, encoding="utf-8") as f:
+            manifest = json.load(f)
+        if manifest.get("format") != _FORMAT:
+            raise ValueError(f"format is {manifest.get('format')!r}, not {_FORMAT!r}")
+        out = {}
+        for e in manifest["leaves"]:
+            out[tuple(str(t) for t in e["path"])] = {
+                "dtype": str(e["dtype"]),
+                "shape": [int(d) for d in e["shape"]],
+                "sha256": str(e["sha256"]),
+            }
+        return out
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise ValueError(
+            f"{where}: the checksum manifest {file} is damaged ({type(e).__name__}: {e}), so "
+            f"the checkpoint in {path} cannot be verified. Restore an earlier checkpoint, or "
+            f"{skip}."
+        ) from None
+
+
+def _verify(where: str, path: str, restored: Any) -> None:
+    expected = _read_manifest(where, path)
+    found = _entries(where, restored)
+    fix = "Restore an earlier checkpoint; this one was changed or damaged after it was written."
+    if set(found) != set(expected):
+        extra = sorted(set(found) - set(expected))
+        lost = sorted(set(expected) - set(found))
+        raise ValueError(
+            f"{where}: the checkpoint in {path} does not hold the leaves its manifest lists: "
+            f"unlisted {_listed(extra) or 'none'}; missing {_listed(lost) or 'none'}. {fix}"
+        )
+    for key, want in expected.items():
+        got = found[key]
+        for field in ("dtype", "shape", "sha256"):
+            if got[field] != want[field]:
+                raise ValueError(
+                    f"{where}: leaf {_show(key)} of the checkpoint in {path} does not match its "
+                    f"manifest: {field} is {got[field]} but {want[field]} was saved. {fix}"
+                )
+
+
+def restore(directory: str | os.PathLike[str], template: Any, *, verify: bool = True) -> Any:
+    """Reads ``directory`` (written by `save`) into the placement of ``template``.
+
+    Args:
+        directory: a checkpoint written by `save`.
+        template: as for `from_saveable`.
+        verify: check every leaf against the checksum manifest first.
+
+    Returns:
+        ``template`` with the saved values.
+
+    Raises:
+        ValueError: the data does not match its manifest (or the manifest is
+            missing or damaged), orbax cannot read it, or it does not fit the
+            template (as in `from_saveable`).
+    """
+    where = "jaxdist.checkpoint.restore"
+    path = os.path.abspath(directory)
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"{where}: no checkpoint directory {path}.")
     ckpt = _checkpointer()
-    saved = ckpt.restore(os.path.abspath(directory), to_saveable(template))
-    ckpt.close()
-    return from_saveable(saved, template)
+    try:
+        saved = ckpt.restore(path)
+    except Exception as e:
+        raise ValueError(
+            f"{where}: orbax could not read the checkpoint in {path} ({type(e).__name__}: "
+            f"{e}). It is incomplete or damaged; restore an earlier checkpoint."
+        ) from e
+    finally:
+        ckpt.close()
+    if verify:
+        _verify(where, path, saved)
+    return _restore_tree(where, saved, template)

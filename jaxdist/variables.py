@@ -11,6 +11,30 @@ return a new `Variable`; nothing is mutated.
 - ``ON_READ`` (sync-on-read): one copy per replica, stored as a global array
   with a leading replica axis. Updates inside a replica function stay local
   (no communication); reading in cross-replica context aggregates the copies.
+
+Dtypes follow TF: ``Variable(0.0)`` is float32, ``Variable(1)`` int32,
+``Variable(True)`` bool unless ``dtype=`` says otherwise; arrays keep their
+(JAX-canonical) dtype. The stored value is never weakly typed, so a step that
+updates it compiles once. A value that would lose information (a float into an
+integer variable, anything into a bool one, a complex into a real one) raises
+`TypeError`: cast it explicitly.
+
+Cross-replica updates take plain, `Mirrored` (its array) and `PerReplica`
+values. With a `PerReplica`, an ``ON_READ`` variable's copy ``r`` takes (or
+adds) row ``r``; an ``ON_WRITE`` one takes the rows aggregated as updates from
+every replica would be (sum, mean, replica 0's), and with aggregation ``NONE``
+refuses them, as TF's ``extended.update`` refuses per-replica values for
+mirrored variables. Setting an integer ``ON_READ`` ``SUM`` variable splits the
+total exactly: the quotient in every copy plus one (towards the total's sign)
+in the first ``|remainder|``, so ``assign(100)`` on 8 replicas stores 13, 13,
+13, 13, 12, 12, 12, 12. A variable belongs to the strategy whose scope created
+it: using it while another strategy is in effect raises `ValueError`.
+
+`copy.deepcopy` copies the storage, placed alike. Pickling stores host arrays
+and metadata; unpickling creates the variable again under the strategy in
+effect then (the default one outside any scope), keeping ``ON_READ`` copies
+when the replica count matches and otherwise restoring the saved aggregate as
+`jaxdist.checkpoint` does (``colocate_vars_with`` placement is not kept).
 """
 
 from __future__ import annotations
@@ -19,7 +43,8 @@ import contextlib
 import contextvars
 import dataclasses
 import enum
-from collections.abc import Iterator
+import operator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import jax
@@ -28,7 +53,10 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxdist import _dispatch
 from jaxdist._cross_replica import reduce_leaf
+from jaxdist._jax_compat import is_tracer
+from jaxdist._variable_dtypes import initial_array, lossy_cast, split_sum
 from jaxdist.context import current_state, get_replica_context, get_strategy
 from jaxdist.reduce import ReduceOp
 from jaxdist.values import DistributedValues, Mirrored, PerReplica
@@ -109,6 +137,17 @@ def _replica_sharding(strategy: Strategy) -> jax.sharding.Sharding:
     return NamedSharding(strategy.mesh, P(strategy.axis_name))
 
 
+# Dtypes -----------------------------------------------------------------------------
+
+
+def _reading(op: Callable[[Any, Any], Any], reflected: bool = False) -> Callable[..., Any]:
+    """A binary operator method that applies ``op`` to the variable's value (tf.Variable's
+    operator overloads)."""
+    if reflected:
+        return lambda self, other: op(other, self.read_value())
+    return lambda self, other: op(self.read_value(), other)
+
+
 class Variable:
     """A distributed variable: an array with synchronization and aggregation rules.
 
@@ -119,6 +158,9 @@ class Variable:
             (``ON_WRITE``) and cross-replica reads (``ON_READ``).
         trainable: defaults to True, and to False for ``ON_READ``.
         name: an optional name, kept as metadata.
+        dtype: the variable's dtype; by default the initial value's (float32,
+            int32 or bool for Python numbers, as in TF). A 64-bit dtype needs
+            ``jax_enable_x64``; without it JAX warns and uses 32 bits.
 
     Created inside ``strategy.scope()``, it is placed by that strategy.
 
@@ -127,6 +169,8 @@ class Variable:
         >>> v = jd.Variable(jnp.ones(2), aggregation="mean")
         >>> [float(x) for x in v.assign_add(1.0).read_value()]
         [2.0, 2.0]
+        >>> jd.Variable(0.0).dtype, jd.Variable(3).dtype, float(jd.Variable(2, dtype="float32"))
+        (dtype('float32'), dtype('int32'), 2.0)
     """
 
     __slots__ = ("_meta", "_stored")
@@ -141,6 +185,7 @@ class Variable:
         aggregation: VariableAggregation | str = Agg.NONE,
         trainable: bool | None = None,
         name: str | None = None,
+        dtype: Any = None,
     ) -> None:
         where = f"jaxdist.Variable(name={name!r})"
         sync = Sync.from_any(synchronization, where=where)
@@ -167,7 +212,7 @@ class Variable:
             )
         if callable(initial_value):
             initial_value = initial_value()
-        value = jnp.asarray(initial_value)
+        value = initial_array(initial_value, dtype, where)
         trainable = (sync is not Sync.ON_READ) if trainable is None else bool(trainable)
         meta = _Meta(sync, agg, trainable, name, strategy, state.strategy is not None)
         colocated = _COLOCATE.get()
@@ -249,6 +294,51 @@ class Variable:
             f"synchronization={self.synchronization.name}, aggregation={self.aggregation.name})"
         )
 
+    def _check_strategy(self, where: str) -> None:
+        """Refuses use while another strategy than the one that created it is in effect."""
+        meta = self._meta
+        if meta.local or not meta.created_in_scope:
+            return
+        active = current_state().strategy
+        if active is not None and active != meta.strategy:
+            raise ValueError(
+                f"{where}: variable {meta.name!r} was created in the scope of "
+                f"{meta.strategy!r}, but {active!r} is in effect here. A variable belongs "
+                "to the strategy whose scope created it: use it in that strategy's scope (or "
+                f"outside any scope), or move its value into a variable created in "
+                f"{type(active).__name__}'s scope with jd.checkpoint.to_saveable / "
+                "from_saveable."
+            )
+
+    # Copies and pickling --------------------------------------------------------------
+
+    def __copy__(self) -> Variable:
+        return Variable._make(self._stored, self._meta)  # immutable: sharing storage is safe
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Variable:
+        stored = self._stored
+        if isinstance(stored, jax.Array) and not is_tracer(stored):
+            stored = jax.device_put(stored, stored.sharding, may_alias=False)
+        return Variable._make(stored, self._meta)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        stored = self._stored
+        if is_tracer(stored):
+            raise TypeError(
+                f"pickle: variable {self.name!r} holds a traced value (inside jax.jit or "
+                "strategy.run); pickle it after the computation returns."
+            )
+        if isinstance(stored, jax.Array) and not stored.is_fully_addressable:
+            raise TypeError(
+                f"pickle: variable {self.name!r} spans devices of several processes and no "
+                "process holds all of it. Save it with jd.checkpoint.save (every process "
+                "writes its part) or jd.checkpoint.to_saveable instead."
+            )
+        meta = self._meta
+        copies = np.asarray(stored) if self._per_replica_storage else None
+        fields = (meta.synchronization.name, meta.aggregation.name, meta.trainable, meta.name)
+        return (_unpickle, (np.asarray(self._checkpoint_value()), copies, *fields))
+
     # Reading ------------------------------------------------------------------------
 
     def read_value(self) -> Any:
@@ -260,14 +350,18 @@ class Variable:
 
         Raises:
             ValueError: reading an ``ON_READ`` variable with aggregation ``NONE``
-                in cross-replica context.
+                in cross-replica context, or while another strategy is in effect.
         """
+        self._check_strategy("Variable.read_value")
+        return self._aggregate("Variable.read_value")
+
+    def _aggregate(self, where: str) -> Any:
         if not self._per_replica_storage:
             return self._stored
         agg = self.aggregation
         if agg is Agg.NONE:
             raise ValueError(
-                f"Variable.read_value: {self!r} is ON_READ with aggregation NONE, so its "
+                f"{where}: {self!r} is ON_READ with aggregation NONE, so its "
                 f"{self._stored.shape[0]} per-replica copies have no single value in "
                 "cross-replica context. Give it an aggregation (SUM, MEAN, ONLY_FIRST_REPLICA) "
                 "or read its copies with strategy.experimental_local_results(v.device_values)."
@@ -277,11 +371,15 @@ class Variable:
         strategy = self._meta.strategy
         op = ReduceOp.SUM if agg is Agg.SUM else ReduceOp.MEAN
         out = strategy._gated(
-            lambda: reduce_leaf(
-                "Variable.read_value", op, PerReplica(self._stored), None, self._stored.shape[0]
-            )
+            lambda: reduce_leaf(where, op, PerReplica(self._stored), None, self._stored.shape[0])
         )
         return out if out.dtype == self.dtype else out.astype(self.dtype)
+
+    def _checkpoint_value(self) -> Any:
+        """What a checkpoint stores: the aggregate, or replica 0's copy without one (as TF)."""
+        if self._per_replica_storage and self.aggregation is Agg.NONE:
+            return self._stored[0]
+        return self._aggregate("jaxdist.checkpoint.to_saveable")
 
     def value(self) -> Any:
         """Same as `read_value` (tf.Variable's name)."""
@@ -296,112 +394,221 @@ class Variable:
     def __array__(self, dtype: Any = None, copy: bool | None = None) -> np.ndarray:
         return np.asarray(self.read_value(), dtype=dtype)
 
-    # Cross-replica updates ------------------------------------------------------------
+    def __float__(self) -> float:
+        return float(self.read_value())
+
+    def __int__(self) -> int:
+        return int(self.read_value())
+
+    def __complex__(self) -> complex:
+        return complex(self.read_value())
+
+    def __bool__(self) -> bool:
+        return bool(self.read_value())
+
+    def __index__(self) -> int:
+        return operator.index(self.read_value())
+
+    # Updates ------------------------------------------------------------------------
 
     def _in_replica_fn(self) -> bool:
         state = current_state()
         return self._meta.local or (state.replica is not None and not state.merging)
 
     def _coerce(self, value: Any, where: str) -> Any:
-        value = value.read_value() if isinstance(value, Variable) else value
-        value = jnp.asarray(value, dtype=self.dtype)
-        if value.shape != self.shape:
-            try:
-                value = jnp.broadcast_to(value, self.shape)
-            except ValueError:
-                raise ValueError(
-                    f"{where}: value of shape {value.shape} does not fit variable "
-                    f"{self.name!r} of shape {self.shape}."
-                ) from None
-        return value
+        """``value`` as an array of this variable's shape and dtype (broadcast if needed)."""
+        self._check_strategy(where)
+        if isinstance(value, Variable):
+            value = value.read_value()
+        elif isinstance(value, Mirrored):
+            value = value.array
+        elif isinstance(value, PerReplica):
+            raise TypeError(
+                f"{where}: got a PerReplica value for variable {self.name!r} inside a replica "
+                "function, where each replica has its own value already. Pass the PerReplica "
+                "to strategy.run as an argument (each replica then sees its own row)."
+            )
+        elif not hasattr(value, "dtype"):
+            value = np.asarray(value)  # Python numbers and lists of them
+        self._check_fits(jnp.result_type(value), np.shape(value), where)
+        return jnp.broadcast_to(jnp.asarray(value, dtype=self.dtype), self.shape)
 
-    def _store(self, value: Any) -> Variable:
-        if self._per_replica_storage:
-            n = self._stored.shape[0]
-            value = jnp.broadcast_to(value, (n, *value.shape))
-        return self._with(jax.device_put(value, self._stored.sharding))
+    def _check_fits(self, dtype: Any, shape: tuple[int, ...], where: str) -> None:
+        reason = lossy_cast(dtype, self.dtype)
+        if reason is not None:
+            raise TypeError(
+                f"{where}: cannot assign a value of dtype {np.dtype(dtype)} to variable "
+                f"{self.name!r} of dtype {self.dtype}: {reason}. Convert it explicitly first "
+                f"(for example jnp.round(x).astype('{self.dtype}')) if that is what you mean."
+            )
+        try:
+            fits = np.broadcast_shapes(tuple(shape), self.shape) == self.shape
+        except ValueError:
+            fits = False
+        if not fits:
+            raise ValueError(
+                f"{where}: value of shape {tuple(shape)} does not fit variable {self.name!r} "
+                f"of shape {self.shape}; pass a value of shape {self.shape} (or one that "
+                "broadcasts to it)."
+            )
 
-    def assign(self, value: Any) -> Variable:
-        """Returns the variable with ``value`` (``ON_READ`` + ``SUM``: each copy holds
-        ``value / N``, so reading gives ``value``). In a replica function, same as
-        ``ctx.assign(v, value)``."""
-        if self._in_replica_fn():
-            return _replica_ctx("assign").assign(self, value)
-        value = self._coerce(value, "Variable.assign")
-        if self._per_replica_storage and self.aggregation is Agg.SUM:
-            value = value / self._stored.shape[0]
-            value = value.astype(self.dtype)
-        return self._store(value)
+    def _rows(self, value: PerReplica, where: str) -> Any:
+        """A cross-replica `PerReplica` value as ``(N, *shape)`` rows of this variable's dtype."""
+        strategy = self._meta.strategy
+        n = strategy.num_replicas_in_sync
+        rows = value.array
+        count = rows.shape[0] if np.ndim(rows) else 0
+        if count != n:
+            raise ValueError(
+                f"{where}: the PerReplica value has {count} per-replica values (shape "
+                f"{tuple(np.shape(rows))}) but variable {self.name!r} belongs to {strategy!r}, "
+                f"which has {n} replicas. Build the value for that strategy (from its run "
+                "outputs, or with experimental_distribute_values_from_function)."
+            )
+        if value.valid is not None:
+            raise ValueError(
+                f"{where}: the PerReplica value for variable {self.name!r} is a padded batch "
+                "(it carries valid-row counts), not one value per replica. Reduce it first, "
+                "for example strategy.reduce('sum', batch, axis=0)."
+            )
+        row_shape = tuple(rows.shape[1:])
+        self._check_fits(rows.dtype, row_shape, where)
+        pad = (1,) * (len(self.shape) - len(row_shape))
+        rows = jnp.asarray(rows, dtype=self.dtype).reshape((n, *pad, *row_shape))
+        return jnp.broadcast_to(rows, (n, *self.shape))
 
-    def _add(self, delta: Any, sign: int, method: str) -> Variable:
-        if self._in_replica_fn():
-            ctx = _replica_ctx(method)
-            return getattr(ctx, method)(self, delta)
-        where = f"Variable.{method}"
-        if self._per_replica_storage and self.aggregation is Agg.SUM:
+    def _aggregate_rows(self, value: PerReplica, where: str) -> Any:
+        """A `PerReplica` update of a mirrored variable, combined as its aggregation says."""
+        rows = self._rows(value, where)
+        agg = self.aggregation
+        n = rows.shape[0]
+        if agg is Agg.SUM:
+            return jnp.sum(rows, axis=0, dtype=self.dtype)
+        if agg is Agg.ONLY_FIRST_REPLICA:
+            return rows[0]
+        if agg is Agg.MEAN and jnp.issubdtype(self.dtype, jnp.inexact):
+            return jnp.mean(rows, axis=0).astype(self.dtype)
+        if agg is Agg.MEAN:
+            raise ValueError(
+                f"{where}: variable {self.name!r} has integer dtype {self.dtype} and "
+                f"aggregation MEAN; the mean of the {n} per-replica values need not be an "
+                "integer. Reduce them yourself (strategy.reduce('mean', value)) and assign the "
+                "rounded result, or use aggregation SUM / ONLY_FIRST_REPLICA or a float variable."
+            )
+        raise ValueError(
+            f"{where}: variable {self.name!r} is mirrored (ON_WRITE) with aggregation NONE, so "
+            f"it cannot combine the {n} values of a PerReplica into its one value. Give it an "
+            "aggregation (SUM, MEAN, ONLY_FIRST_REPLICA), reduce the value first "
+            "(strategy.reduce), or use an ON_READ variable to keep one copy per replica."
+        )
+
+    def _storage_for(self, value: Any) -> Any:
+        """The stored array for a new value (``ON_READ`` ``SUM``: split across the copies)."""
+        if not self._per_replica_storage:
+            return value
+        n = self._stored.shape[0]
+        if self.aggregation is Agg.SUM:
+            return split_sum(value, n)
+        return jnp.broadcast_to(value, (n, *value.shape))
+
+    def _place(self, value: Any) -> Any:
+        """``value`` (the whole storage) placed like the stored array."""
+        stored = self._stored
+        if not is_tracer(stored):
+            if is_tracer(value):
+                return jax.lax.with_sharding_constraint(value, stored.sharding)
+            return jax.device_put(value, stored.sharding)
+        strategy = self._meta.strategy
+        if self._per_replica_storage and strategy.num_replicas_in_sync > 1:
+            return jax.lax.with_sharding_constraint(value, _replica_sharding(strategy))
+        return value  # inside the caller's jax.jit: placement is jit's
+
+    def _updated(self, kind: str, value: Any, where: str) -> Any:
+        """The new storage after a cross-replica ``assign`` / ``assign_add`` / ``assign_sub``."""
+        stored = self._stored
+        if self._per_replica_storage and isinstance(value, PerReplica):
+            delta = self._rows(value, where)  # copy r takes (or adds) row r
+        elif isinstance(value, PerReplica):
+            delta = self._aggregate_rows(value, where)
+        elif kind == "assign":
+            return self._storage_for(self._coerce(value, where))
+        elif self._per_replica_storage and self.aggregation is Agg.SUM:
             raise ValueError(
                 f"{where}: {self!r} is ON_READ with aggregation SUM; adding to it in "
                 "cross-replica context would add to every copy, changing the sum N times. "
-                "Use assign(v.read_value() + delta), or update it inside strategy.run."
+                "Use assign(v.read_value() + delta), pass a PerReplica (copy r adds row r), "
+                "or update it inside strategy.run."
             )
-        delta = self._coerce(delta, where)
-        stored = self._stored
-        return self._with(stored + delta if sign > 0 else stored - delta)
+        else:
+            delta = self._coerce(value, where)
+        if kind == "assign":
+            return jnp.broadcast_to(delta, stored.shape)
+        new = stored + delta if kind == "assign_add" else stored - delta
+        return new.astype(self.dtype)
+
+    def _cross_replica(self, kind: str, value: Any) -> Variable:
+        where = f"Variable.{kind}"
+        self._check_strategy(where)
+        # Eager work on multi-device arrays: under the CPU gate, one program at a time.
+        return _dispatch.gated(lambda: self._with(self._place(self._updated(kind, value, where))))
+
+    def _restore(self, value: Any) -> Variable:
+        """Cross-replica ``assign`` of a checked checkpoint value, in any scope (private)."""
+        value = jnp.asarray(value, dtype=self.dtype)
+        return _dispatch.gated(lambda: self._with(self._place(self._storage_for(value))))
+
+    def assign(self, value: Any) -> Variable:
+        """Returns the variable set to ``value``.
+
+        In a replica function, same as ``ctx.assign(v, value)``. In cross-replica
+        context ``value`` may be `Mirrored` or `PerReplica` (see the module
+        docstring); an ``ON_READ`` ``SUM`` variable's copies split ``value`` so that
+        reading gives ``value`` (exactly, for integers).
+        """
+        if self._in_replica_fn():
+            return _replica_ctx("assign").assign(self, value)
+        return self._cross_replica("assign", value)
+
+    def _add(self, delta: Any, method: str) -> Variable:
+        if self._in_replica_fn():
+            return getattr(_replica_ctx(method), method)(self, delta)
+        return self._cross_replica(method, delta)
 
     def assign_add(self, delta: Any) -> Variable:
         """Returns the variable plus ``delta``."""
-        return self._add(delta, +1, "assign_add")
+        return self._add(delta, "assign_add")
 
     def assign_sub(self, delta: Any) -> Variable:
         """Returns the variable minus ``delta``."""
-        return self._add(delta, -1, "assign_sub")
+        return self._add(delta, "assign_sub")
 
     # Arithmetic reads the value, as tf.Variable does -------------------------------
 
-    def __add__(self, o: Any) -> Any:
-        return self.read_value() + o
-
-    def __radd__(self, o: Any) -> Any:
-        return o + self.read_value()
-
-    def __sub__(self, o: Any) -> Any:
-        return self.read_value() - o
-
-    def __rsub__(self, o: Any) -> Any:
-        return o - self.read_value()
-
-    def __mul__(self, o: Any) -> Any:
-        return self.read_value() * o
-
-    def __rmul__(self, o: Any) -> Any:
-        return o * self.read_value()
-
-    def __truediv__(self, o: Any) -> Any:
-        return self.read_value() / o
-
-    def __rtruediv__(self, o: Any) -> Any:
-        return o / self.read_value()
-
-    def __matmul__(self, o: Any) -> Any:
-        return self.read_value() @ o
-
-    def __rmatmul__(self, o: Any) -> Any:
-        return o @ self.read_value()
-
-    def __pow__(self, o: Any) -> Any:
-        return self.read_value() ** o
+    __add__ = _reading(operator.add)
+    __radd__ = _reading(operator.add, reflected=True)
+    __sub__ = _reading(operator.sub)
+    __rsub__ = _reading(operator.sub, reflected=True)
+    __mul__ = _reading(operator.mul)
+    __rmul__ = _reading(operator.mul, reflected=True)
+    __truediv__ = _reading(operator.truediv)
+    __rtruediv__ = _reading(operator.truediv, reflected=True)
+    __floordiv__ = _reading(operator.floordiv)
+    __mod__ = _reading(operator.mod)
+    __matmul__ = _reading(operator.matmul)
+    __rmatmul__ = _reading(operator.matmul, reflected=True)
+    __pow__ = _reading(operator.pow)
+    __rpow__ = _reading(operator.pow, reflected=True)
+    __lt__ = _reading(operator.lt)
+    __le__ = _reading(operator.le)
+    __gt__ = _reading(operator.gt)
+    __ge__ = _reading(operator.ge)
+    __getitem__ = _reading(operator.getitem)
 
     def __neg__(self) -> Any:
         return -self.read_value()
 
-    def __getitem__(self, idx: Any) -> Any:
-        return self.read_value()[idx]
-
-    def __float__(self) -> float:
-        return float(self.read_value())
-
-    def __int__(self) -> int:
-        return int(self.read_value())
+    def __abs__(self) -> Any:
+        return abs(self.read_value())
 
 
 jax.tree_util.register_pytree_with_keys(
@@ -410,6 +617,28 @@ jax.tree_util.register_pytree_with_keys(
     lambda meta, children: Variable._make(next(iter(children)), meta),
     lambda v: ((v._stored,), v._meta),
 )
+
+
+def _unpickle(
+    value: np.ndarray,
+    copies: np.ndarray | None,
+    synchronization: str,
+    aggregation: str,
+    trainable: bool,
+    name: str | None,
+) -> Variable:
+    """Creates a pickled variable again under the strategy in effect (private)."""
+    v = Variable(
+        value,
+        synchronization=synchronization,
+        aggregation=aggregation,
+        trainable=trainable,
+        name=name,
+        dtype=value.dtype,
+    )
+    if copies is not None and copies.shape[0] == v.strategy.num_replicas_in_sync:
+        return v._with(v._place(jnp.asarray(copies, dtype=v.dtype)))
+    return v._restore(value) if v._per_replica_storage else v
 
 
 def _replica_ctx(method: str) -> Any:

@@ -1,22 +1,48 @@
 """Reduction operators and the cross-device ops that carry them out.
 
 `ReduceOp` names what a cross-replica reduction computes; a `CrossDeviceOps`
-names *how*: which XLA collectives an all-reduce inside a replica function
-lowers to. Every implementation gives the same numbers; they differ in the
-communication pattern XLA is asked to run.
+names *how*. Inside a replica function, `CrossDeviceOps.all_reduce` chooses the
+XLA collectives an all-reduce lowers to; in cross-replica context, ``reduce``,
+``batch_reduce`` and ``broadcast`` (tf.distribute's methods) work on the
+global arrays of `PerReplica` and `Mirrored` values and place the results on
+the requested destination devices. Every implementation gives the same numbers;
+they differ in the communication pattern:
+
+- `NcclAllReduce`: one all-reduce over every replica axis.
+- `HierarchicalCopyAllReduce`: reduce-scatter then all-gather. Over a tuple of
+  mesh axes such as ``("host", "local")`` it is two-level: reduce-scatter
+  inside each process, all-reduce of the scattered shards across processes,
+  all-gather inside each process, so only ``1/L`` of the data (``L`` local
+  devices) crosses the network.
+- `ReductionToOneDevice`: every value gathered, then accumulated (in
+  cross-replica context, on one device, as in TF).
+
+A replica axis (``axis_name``) is one mesh axis name or a tuple of them,
+outermost first; replica ``r`` is the row-major index over those axes.
 """
 
 from __future__ import annotations
 
+import abc
 import dataclasses
 import enum
+import functools
+import operator
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
+from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
+from jax.sharding import PartitionSpec as P
 
-from jaxdist._jax_compat import all_gather_invariant
+from jaxdist import _dispatch
+from jaxdist._jax_compat import all_gather_invariant, is_tracer
+from jaxdist.communication import CommunicationOptions, group_by_size, resolve_options
+from jaxdist.devices import resolve_device
+from jaxdist.values import DistributedValues, Mirrored, PerReplica
 
 __all__ = [
     "CrossDeviceOps",
@@ -31,8 +57,9 @@ class ReduceOp(enum.Enum):
     """How values from several replicas combine into one.
 
     ``SUM`` and ``MEAN`` are tf.distribute's; ``MAX`` and ``MIN`` are the other
-    reductions XLA offers. Anywhere an op is taken, a string such as ``"mean"``
-    (any case) is accepted too.
+    reductions XLA offers (NaN on any replica gives NaN, as ``np.max``).
+    Anywhere an op is taken, a string such as ``"mean"`` (any case) is
+    accepted too.
 
     Example:
         >>> import jaxdist as jd
@@ -61,118 +88,637 @@ class ReduceOp(enum.Enum):
         )
 
 
-def _mean_of_sum(total: jax.Array, count: int) -> jax.Array:
-    """Divides a sum by ``count`` (true division: integer inputs give floats, as jnp.mean)."""
-    return total / count
+def replica_axes(axis_name: Any, *, where: str) -> tuple[str, ...]:
+    """``axis_name`` (a mesh axis name or a tuple of them) as a tuple of names (private)."""
+    if isinstance(axis_name, str) and axis_name:
+        return (axis_name,)
+    if (
+        isinstance(axis_name, (tuple, list))
+        and axis_name
+        and all(isinstance(a, str) and a for a in axis_name)
+        and len(set(axis_name)) == len(axis_name)
+    ):
+        return tuple(axis_name)
+    raise TypeError(
+        f"{where}: axis_name must be a mesh axis name or a non-empty tuple of distinct names, "
+        f"outermost first (e.g. 'replica' or ('host', 'local')), got {axis_name!r}. Pass the "
+        "strategy's axis: strategy.axis_name."
+    )
 
 
-def _axis_size(axis_name: str) -> int:
-    return lax.axis_size(axis_name)
+def _check_bound(axes: tuple[str, ...], where: str) -> None:
+    for a in axes:
+        try:
+            lax.axis_size(a)
+        except NameError:
+            raise NameError(
+                f"{where}: mesh axis {a!r} (of axis_name {axes if len(axes) > 1 else a!r}) is "
+                "not bound here. Call all_reduce inside strategy.run (ctx.all_reduce) or inside "
+                "jax.shard_map over a mesh with that axis; in cross-replica context use "
+                "reduce / batch_reduce."
+            ) from None
+
+
+# MAX/MIN that propagate NaN ---------------------------------------------------------
+
+_INT_OF_WIDTH = {1: jnp.int8, 2: jnp.int16, 4: jnp.int32, 8: jnp.int64}
+
+
+def _order_key(bits: jax.Array, top: int) -> jax.Array:
+    """Float bits (as signed ints) -> ints in the same order as the floats; an involution."""
+    return jnp.where(bits < 0, bits ^ top, bits)
+
+
+def _nan_propagating_extremum(op: ReduceOp, x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
+    """``lax.pmax``/``pmin`` that return NaN where any replica has NaN (as ``np.max``).
+
+    XLA's CPU all-reduce drops NaN from max/min (checked with jax 0.10.2: a NaN on
+    one of 8 replicas came back as the max of the others). The fix costs no
+    communication: each float is mapped to an integer of the same width whose
+    order is the float order (negative floats have their magnitude bits flipped),
+    with NaN mapped to the largest integer for MAX (smallest for MIN); the one
+    integer all-reduce moves the same bytes as the float one, and mapping back is
+    a few elementwise ops per replica. A second all-reduce of an ``isnan`` flag
+    would double the collectives instead.
+    """
+    combine = lax.pmax if op is ReduceOp.MAX else lax.pmin
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+        return combine(x, axes)
+    itype = _INT_OF_WIDTH[x.dtype.itemsize]
+    info = jnp.iinfo(itype)
+    key = _order_key(lax.bitcast_convert_type(x, itype), int(info.max))
+    nan_key = int(info.max) if op is ReduceOp.MAX else int(info.min)
+    key = jnp.where(jnp.isnan(x), jnp.asarray(nan_key, itype), key)
+    out = lax.bitcast_convert_type(_order_key(combine(key, axes), int(info.max)), x.dtype)
+    return jnp.where(jnp.isnan(out), jnp.asarray(jnp.nan, x.dtype), out)
+
+
+# Destinations -----------------------------------------------------------------------
+
+
+def _replicated_on(devices: Sequence[jax.Device], default: Any) -> jax.sharding.Sharding:
+    if len(devices) == 1:
+        return SingleDeviceSharding(devices[0])
+    if default is not None and set(default.device_set) == set(devices):
+        return default  # the strategy's own mesh: results feed straight back into run
+    return NamedSharding(Mesh(np.array(devices, dtype=object), ("replica",)), P())
+
+
+def destination_sharding(destinations: Any, *, where: str, default: Any = None) -> Any:
+    """Where a cross-replica result goes: a replicated `jax.sharding.Sharding` (private).
+
+    ``destinations`` is a device (or a spec like ``"/cpu:0"``), a list of them, a
+    distributed value, variable or array (its devices), or ``None`` (``default``).
+    Returns ``default`` for traced destinations (inside a ``merge_fn``), whose
+    devices are those of the running strategy.
+    """
+    from jaxdist.variables import Variable
+
+    arg = f"{where}(destinations=...)"
+    if destinations is None:
+        if default is None:
+            raise ValueError(
+                f"{arg}: destinations is None. Say where the result goes: a device "
+                "(jax.Device, '/cpu:0', an index), a list of devices, or a distributed value "
+                "or variable (its devices; pass the reduced value itself for an all-reduce)."
+            )
+        return default
+    target = destinations
+    if isinstance(target, Variable):
+        target = target.device_values
+    elif isinstance(target, DistributedValues):
+        target = target.array
+    if is_tracer(target):
+        return default
+    if isinstance(target, jax.Array):
+        sharding = target.sharding
+        if len(sharding.device_set) > 1 and isinstance(sharding, NamedSharding):
+            return sharding if sharding.is_fully_replicated else NamedSharding(sharding.mesh, P())
+        return _replicated_on(sorted(sharding.device_set, key=lambda d: d.id), default)
+    if isinstance(target, (list, tuple)):
+        if not target:
+            raise ValueError(f"{arg}: the list of destination devices is empty.")
+        devices = [resolve_device(d, where=arg) for d in target]
+        if len(set(devices)) != len(devices):
+            raise ValueError(f"{arg}: destination devices must be unique, got {list(target)!r}.")
+        return _replicated_on(devices, default)
+    if isinstance(target, (jax.Device, str, int)) and not isinstance(target, bool):
+        return SingleDeviceSharding(resolve_device(target, where=arg))
+    if default is not None and isinstance(target, np.ndarray):
+        return default  # host data (a PerReplica built from NumPy): the strategy's devices
+    raise TypeError(
+        f"{arg}: cannot place a result on {type(destinations).__name__} ({destinations!r:.60}). "
+        "Use a device (jax.Device, '/gpu:0', an index), a list of devices, or a "
+        "PerReplica / Mirrored / Variable / jax.Array (its devices)."
+    )
+
+
+def _first_device(sharding: Any) -> jax.Device:
+    if isinstance(sharding, NamedSharding):
+        return sharding.mesh.devices.flat[0]
+    return min(sharding.device_set, key=lambda d: d.id)
+
+
+def place(x: Any, target: Any) -> Any:
+    """``x`` copied to every device of ``target``: `Mirrored` over several, plain on one."""
+    if target is None:
+        return Mirrored(x)
+    if not is_tracer(x):
+        x = jax.device_put(x, target)
+    return Mirrored(x) if len(target.device_set) > 1 else x
+
+
+def _device_count(x: Any) -> int:
+    return len(x.sharding.device_set) if isinstance(x, jax.Array) and not is_tracer(x) else 1
+
+
+def _gate_for(leaves: Sequence[Any]) -> bool:
+    for x in leaves:
+        arr = x.array if isinstance(x, DistributedValues) else x
+        if (
+            isinstance(arr, jax.Array)
+            and not is_tracer(arr)
+            and _dispatch.needs_gate(tuple(arr.sharding.device_set))
+        ):
+            return True
+    return False
+
+
+# Cross-device ops -------------------------------------------------------------------
 
 
 @dataclasses.dataclass(frozen=True)
-class CrossDeviceOps:
-    """Base class: how an all-reduce across replicas is lowered.
+class CrossDeviceOps(abc.ABC):
+    """Base class: how cross-replica reductions are carried out.
 
-    Subclasses override `_all_reduce_leaf`. ``num_packs > 0`` concatenates
-    same-dtype leaves into that many buffers before reducing, as tf.distribute
-    does. The default is 0 (no packing): XLA's all-reduce combiner already
-    fuses the per-leaf all-reduces, and packing by hand only adds copies (it
-    cost a third of the MLP step's throughput on CPU; see benchmarks/README.md).
-    All of this runs inside the replica function, on traced values.
+    Subclasses choose the collectives of an all-reduce (`_all_reduce_leaf`);
+    ``reduce``, ``batch_reduce`` and ``broadcast`` are tf.distribute's
+    cross-replica methods. ``options`` (keyword-only) are the defaults of
+    every call (`jaxdist.experimental.CommunicationOptions`); per-call options
+    override them field by field.
     """
 
-    num_packs: int = 0
+    options: CommunicationOptions | None = dataclasses.field(default=None, kw_only=True)
 
     def __post_init__(self) -> None:
-        if not isinstance(self.num_packs, int) or self.num_packs < 0:
-            raise ValueError(
-                f"{type(self).__name__}(num_packs={self.num_packs!r}): num_packs must be a "
-                "non-negative int (0 disables packing, 1 packs all leaves into one buffer)."
+        if self.options is not None and not isinstance(self.options, CommunicationOptions):
+            raise TypeError(
+                f"{type(self).__name__}(options=...): expected a jaxdist.experimental."
+                f"CommunicationOptions or None, got {type(self.options).__name__}."
             )
 
-    def all_reduce(self, reduce_op: ReduceOp | str, value: Any, axis_name: str) -> Any:
-        """All-reduces every leaf of the pytree ``value`` over ``axis_name``."""
-        op = ReduceOp.from_any(reduce_op, where=f"{type(self).__name__}.all_reduce")
-        leaves, treedef = jax.tree.flatten(value)
-        if not leaves:
+    def _options(self, options: Any, where: str) -> CommunicationOptions:
+        base = self.options if self.options is not None else CommunicationOptions()
+        return base.merge(resolve_options(options, where))
+
+    def _num_packs(self) -> int:
+        return 0
+
+    # Replica context --------------------------------------------------------------
+
+    def all_reduce(
+        self,
+        reduce_op: ReduceOp | str,
+        value: Any,
+        axis_name: str | tuple[str, ...],
+        options: CommunicationOptions | None = None,
+    ) -> Any:
+        """All-reduces every leaf of the pytree ``value`` over ``axis_name``.
+
+        Called inside a replica function (``ctx.all_reduce`` calls it) or any
+        `jax.shard_map` body with those mesh axes.
+
+        Args:
+            reduce_op: a `ReduceOp` or its name.
+            value: a pytree of arrays (traced, per replica).
+            axis_name: a mesh axis name or a tuple of them, outermost first.
+            options: per-call `CommunicationOptions`; ``bytes_per_pack > 0``
+                packs same-dtype leaves into buffers of at least that many bytes
+                and reduces one buffer per collective (SUM and MEAN).
+
+        Returns:
+            ``value``'s structure with every leaf reduced (invariant across the axes).
+        """
+        where = f"{type(self).__name__}.all_reduce"
+        op = ReduceOp.from_any(reduce_op, where=where)
+        axes = replica_axes(axis_name, where=where)
+        opts = self._options(options, where)
+        with_paths, treedef = jax.tree_util.tree_flatten_with_path(value)
+        if not with_paths:
             return value
-        leaves = [jnp.asarray(x) for x in leaves]
-        if op in (ReduceOp.SUM, ReduceOp.MEAN) and self.num_packs > 0 and len(leaves) > 1:
-            reduced = self._packed(op, leaves, axis_name)
+        _check_bound(axes, where)
+        leaves = [jnp.asarray(x) for _, x in with_paths]
+        if op in (ReduceOp.MAX, ReduceOp.MIN):
+            for (path, _), x in zip(with_paths, leaves, strict=True):
+                if jnp.issubdtype(x.dtype, jnp.complexfloating):
+                    raise TypeError(
+                        f"{where}: {op.name} of leaf {jax.tree_util.keystr(path) or '<root>'} "
+                        f"(shape {x.shape}, dtype {x.dtype}) is undefined: complex numbers "
+                        "have no order. Reduce jnp.abs(x) or the real part, or use SUM/MEAN."
+                    )
+        packs = opts.bytes_per_pack or self._num_packs()
+        if op in (ReduceOp.SUM, ReduceOp.MEAN) and packs and len(leaves) > 1:
+            reduced = self._packed(op, leaves, axes, opts.bytes_per_pack)
         else:
-            reduced = [self._reduce(op, x, axis_name) for x in leaves]
+            reduced = [self._reduce(op, x, axes) for x in leaves]
         return jax.tree.unflatten(treedef, reduced)
 
-    def _reduce(self, op: ReduceOp, x: jax.Array, axis_name: str) -> jax.Array:
-        if op is ReduceOp.MAX:
-            return lax.pmax(x, axis_name)
-        if op is ReduceOp.MIN:
-            return lax.pmin(x, axis_name)
-        total = self._all_reduce_leaf(x, axis_name)
-        return _mean_of_sum(total, _axis_size(axis_name)) if op is ReduceOp.MEAN else total
+    def _reduce(self, op: ReduceOp, x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
+        if op in (ReduceOp.MAX, ReduceOp.MIN):
+            return self._extremum(op, x, axes)
+        total = self._all_reduce_leaf(x, axes)
+        return total / lax.axis_size(axes) if op is ReduceOp.MEAN else total
 
-    def _packed(self, op: ReduceOp, leaves: list[jax.Array], axis_name: str) -> list[jax.Array]:
-        """Sums same-dtype leaves as a few concatenated buffers, then splits them."""
-        out: list[jax.Array | None] = [None] * len(leaves)
+    def _extremum(self, op: ReduceOp, x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
+        return _nan_propagating_extremum(op, x, axes)
+
+    def _packed(
+        self, op: ReduceOp, leaves: list[jax.Array], axes: tuple[str, ...], bytes_per_pack: int
+    ) -> list[jax.Array]:
+        """Sums same-dtype leaves as a few concatenated buffers, then splits them.
+
+        With ``bytes_per_pack``: consecutive leaves of one dtype fill buffers of at
+        least that many bytes (`jaxdist.communication.group_by_size`); else
+        ``num_packs`` buffers per dtype, leaves dealt round-robin.
+        """
+        out: list[Any] = [None] * len(leaves)
         by_dtype: dict[Any, list[int]] = {}
         for i, x in enumerate(leaves):
             by_dtype.setdefault(x.dtype, []).append(i)
         for idxs in by_dtype.values():
-            packs = [idxs[k :: self.num_packs] for k in range(min(self.num_packs, len(idxs)))]
+            if bytes_per_pack:
+                sizes = [leaves[i].size * leaves[i].dtype.itemsize for i in idxs]
+                packs = [[idxs[j] for j in p] for p in group_by_size(sizes, bytes_per_pack)]
+            else:
+                k = min(self._num_packs(), len(idxs))
+                packs = [idxs[j::k] for j in range(k)]
             for pack in packs:
+                if len(pack) == 1:
+                    out[pack[0]] = self._reduce(op, leaves[pack[0]], axes)
+                    continue
                 flat = jnp.concatenate([leaves[i].reshape(-1) for i in pack])
-                total = self._all_reduce_leaf(flat, axis_name)
-                if op is ReduceOp.MEAN:
-                    total = _mean_of_sum(total, _axis_size(axis_name))
+                total = self._reduce(op, flat, axes)
                 offset = 0
                 for i in pack:
                     size = leaves[i].size
                     out[i] = total[offset : offset + size].reshape(leaves[i].shape)
                     offset += size
-        return [x for x in out if x is not None]
+        return out
 
-    def _all_reduce_leaf(self, x: jax.Array, axis_name: str) -> jax.Array:
-        raise NotImplementedError(f"{type(self).__name__} must implement _all_reduce_leaf")
+    @abc.abstractmethod
+    def _all_reduce_leaf(self, x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
+        """The sum of ``x`` over the replica axes, invariant across them."""
+
+    # Cross-replica context ----------------------------------------------------------
+
+    def reduce(
+        self,
+        reduce_op: ReduceOp | str,
+        per_replica_value: Any,
+        destinations: Any,
+        options: CommunicationOptions | None = None,
+    ) -> Any:
+        """Reduces a distributed value across replicas and places it on ``destinations``.
+
+        Args:
+            reduce_op: a `ReduceOp` or its name.
+            per_replica_value: a `PerReplica` (one row per replica), a `Mirrored`
+                or variable (its copies), or a pytree of them. A plain array is
+                one replica's value, reduced to itself (as in TF).
+            destinations: a device (``jax.Device``, ``"/cpu:0"``, an index), a
+                list of devices, or a distributed value, variable or array whose
+                devices receive the result.
+            options: `CommunicationOptions` (checked; the reduction is one XLA
+                program whose collectives XLA batches).
+
+        Returns:
+            A `Mirrored` over the destination devices, or a plain array when
+            there is one destination device.
+
+        Example:
+            >>> import jax, jax.numpy as jnp, jaxdist as jd
+            >>> s = jd.MirroredStrategy(jax.devices()[:2])
+            >>> x = s.run(lambda ctx: 1.0 + ctx.replica_id_in_sync_group)
+            >>> out = jd.NcclAllReduce().reduce("sum", x, destinations=x)
+            >>> type(out).__name__, float(out)
+            ('Mirrored', 3.0)
+        """
+        where = f"{type(self).__name__}.reduce"
+        op = ReduceOp.from_any(reduce_op, where=where)
+        self._options(options, where)
+        return self._reduce_pairs(where, op, [(per_replica_value, destinations)])[0]
+
+    def batch_reduce(
+        self,
+        reduce_op: ReduceOp | str,
+        value_destination_pairs: Sequence[tuple[Any, Any]],
+        options: CommunicationOptions | None = None,
+    ) -> list[Any]:
+        """`reduce` of many ``(value, destinations)`` pairs in one go.
+
+        Returns:
+            One result per pair, in order.
+        """
+        where = f"{type(self).__name__}.batch_reduce"
+        op = ReduceOp.from_any(reduce_op, where=where)
+        self._options(options, where)
+        return self._reduce_pairs(where, op, check_pairs(value_destination_pairs, where))
+
+    def broadcast(self, tensor: Any, destinations: Any) -> Any:
+        """Copies ``tensor`` (a pytree of arrays or `Mirrored` values) to ``destinations``.
+
+        Returns:
+            A `Mirrored` over the destination devices, or a plain array on one.
+        """
+        where = f"{type(self).__name__}.broadcast"
+        return broadcast_to(where, tensor, destination_sharding(destinations, where=where))
+
+    def _reduce_pairs(
+        self,
+        where: str,
+        op: ReduceOp,
+        pairs: Sequence[tuple[Any, Any]],
+        *,
+        num_replicas: int | None = None,
+        default: Any = None,
+    ) -> list[Any]:
+        """Reduces every leaf of every pair's value, then places it on its destinations.
+
+        ``num_replicas`` is the strategy's replica count (``None``: called on the
+        ops directly, where a plain value is one replica's and a `Mirrored` has
+        one copy per device); ``default`` the strategy's replicated sharding.
+        """
+        from jaxdist.variables import as_distributed, is_distributed
+
+        leaves: list[Any] = []
+        targets: list[Any] = []
+        structure = []
+        for value, destinations in pairs:
+            flat, treedef = jax.tree.flatten(value, is_leaf=is_distributed)
+            target = destination_sharding(destinations, where=where, default=default)
+            leaves.extend(as_distributed(x) for x in flat)
+            targets.extend([target] * len(flat))
+            structure.append((treedef, len(flat)))
+
+        def compute() -> list[Any]:
+            reduced = self._reduce_leaves(where, op, leaves, targets, num_replicas)
+            return [place(x, t) for x, t in zip(reduced, targets, strict=True)]
+
+        done = iter(_dispatch.gated(compute) if _gate_for(leaves) else compute())
+        return [jax.tree.unflatten(td, [next(done) for _ in range(k)]) for td, k in structure]
+
+    def _reduce_leaves(
+        self,
+        where: str,
+        op: ReduceOp,
+        leaves: list[Any],
+        targets: list[Any],
+        num_replicas: int | None,
+    ) -> list[Any]:
+        """Every distributed leaf reduced in one XLA program over the sharded global arrays
+        (XLA's partitioner emits the collectives)."""
+        from jaxdist._cross_replica import reduce_distributed, reduce_leaf
+
+        n = num_replicas if num_replicas is not None else _replica_count(where, leaves)
+        spread = [x for x in leaves if isinstance(x, DistributedValues)]
+        done = iter(reduce_distributed(spread, where, op, None, n) if spread else [])
+        out = []
+        for x in leaves:
+            if isinstance(x, DistributedValues):
+                out.append(next(done))
+            elif num_replicas is None:
+                out.append(jnp.asarray(x))  # one replica's value: its own reduction
+            else:
+                out.append(reduce_leaf(where, op, x, None, num_replicas))
+        return out
+
+
+def _replica_count(where: str, leaves: Sequence[Any]) -> int:
+    """The replica count of distributed leaves given without a strategy: their rows
+    (`PerReplica`) or devices (`Mirrored`), which must agree."""
+    counts = {
+        x.array.shape[0] if isinstance(x, PerReplica) else _device_count(x.array)
+        for x in leaves
+        if isinstance(x, DistributedValues)
+    }
+    if len(counts) > 1:
+        raise ValueError(
+            f"{where}: the values have different replica counts {sorted(counts)} (PerReplica "
+            "rows, Mirrored devices); reduce values of one strategy together, or call "
+            "strategy.extended.batch_reduce_to, which knows the strategy's count."
+        )
+    return counts.pop() if counts else 1
+
+
+def check_pairs(value_destination_pairs: Any, where: str) -> list[tuple[Any, Any]]:
+    """``value_destination_pairs`` as a list of 2-tuples (private)."""
+    if not isinstance(value_destination_pairs, (list, tuple)):
+        raise TypeError(
+            f"{where}: value_destination_pairs must be a list of (value, destinations) pairs, "
+            f"got {type(value_destination_pairs).__name__}. For one value use reduce / reduce_to."
+        )
+    pairs = []
+    for i, pair in enumerate(value_destination_pairs):
+        if not isinstance(pair, (list, tuple)) or len(pair) != 2:
+            raise TypeError(
+                f"{where}: value_destination_pairs[{i}] must be a (value, destinations) pair, "
+                f"got {type(pair).__name__} ({pair!r:.60}). Write [(grad, grad), (loss, '/cpu:0')]."
+            )
+        pairs.append((pair[0], pair[1]))
+    return pairs
+
+
+def broadcast_to(where: str, tensor: Any, target: Any) -> Any:
+    """Places every leaf of ``tensor`` on ``target`` (private; see `CrossDeviceOps.broadcast`)."""
+    from jaxdist.variables import Variable, is_distributed
+
+    def one(path: Any, x: Any) -> Any:
+        if isinstance(x, PerReplica):
+            raise TypeError(
+                f"{where}: tensor{jax.tree_util.keystr(path)} is a PerReplica (shape "
+                f"{x.shape}), which has one value per replica and none to broadcast. Reduce "
+                "it first (reduce / reduce_to), or broadcast one replica's value."
+            )
+        if isinstance(x, Variable):
+            x = x.read_value()
+        elif isinstance(x, Mirrored):
+            x = x.array
+        return place(jnp.asarray(x), target)
+
+    return jax.tree_util.tree_map_with_path(one, tensor, is_leaf=is_distributed)
 
 
 @dataclasses.dataclass(frozen=True)
-class NcclAllReduce(CrossDeviceOps):
-    """One XLA all-reduce per buffer (NCCL on GPUs, the ICI all-reduce on TPUs).
+class _PackingOps(CrossDeviceOps):
+    """Shared by the all-reduce implementations that take TF's ``num_packs``."""
 
-    The default for `MirroredStrategy`.
+    num_packs: int = 0
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if (
+            isinstance(self.num_packs, bool)
+            or not isinstance(self.num_packs, int)
+            or self.num_packs < 0
+        ):
+            raise ValueError(
+                f"{type(self).__name__}(num_packs={self.num_packs!r}): num_packs must be a "
+                "non-negative int (0 disables packing, 1 packs all leaves into one buffer)."
+            )
+
+    def _num_packs(self) -> int:
+        return self.num_packs
+
+
+@dataclasses.dataclass(frozen=True)
+class NcclAllReduce(_PackingOps):
+    """One XLA all-reduce per buffer over every replica axis (NCCL on GPUs, the ICI
+    all-reduce on TPUs, gloo on CPUs).
+
+    The default of `MirroredStrategy`. ``num_packs > 0`` concatenates same-dtype
+    leaves into that many buffers (TF's packing). The default is 0: XLA's
+    all-reduce combiner already merges the per-leaf all-reduces into one, and
+    packing by hand only adds copies (it cost a third of the MLP step's
+    throughput on CPU; see benchmarks/README.md).
     """
 
-    def _all_reduce_leaf(self, x: jax.Array, axis_name: str) -> jax.Array:
-        return lax.psum(x, axis_name)
+    def _all_reduce_leaf(self, x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
+        return lax.psum(x, axes)
 
 
 @dataclasses.dataclass(frozen=True)
-class HierarchicalCopyAllReduce(CrossDeviceOps):
+class HierarchicalCopyAllReduce(_PackingOps):
     """A reduce-scatter followed by an all-gather (the two halves of a ring all-reduce).
 
-    Each replica reduces one slice, then the slices are shared. Leaves whose
-    size does not divide by the replica count are padded for the exchange.
+    Over one axis, each replica reduces one slice and the slices are shared.
+    Over a tuple of axes, outermost first (e.g. ``("host", "local")``), it is
+    hierarchical: reduce-scatter over the innermost axis (inside a process),
+    all-reduce of each shard over the outer axes (across processes, ``1/L`` of
+    the data), then all-gather over the innermost axis. Leaves whose size does
+    not divide by the innermost axis size are padded for the exchange.
     """
 
-    def _all_reduce_leaf(self, x: jax.Array, axis_name: str) -> jax.Array:
-        n = _axis_size(axis_name)
+    def _all_reduce_leaf(self, x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
+        inner, outer = axes[-1], axes[:-1]
+        n = lax.axis_size(inner)
         flat = x.reshape(-1)
         pad = (-flat.size) % n
         if pad:
             flat = jnp.pad(flat, (0, pad))
-        part = lax.psum_scatter(flat, axis_name, scatter_dimension=0, tiled=True)
-        whole = all_gather_invariant(part, axis_name).reshape(-1)
+        part = lax.psum_scatter(flat, inner, scatter_dimension=0, tiled=True)
+        if outer:
+            part = lax.psum(part, outer)
+        whole = all_gather_invariant(part, inner).reshape(-1)
         return whole[: x.size].reshape(x.shape)
+
+
+def _add_n(rows: list[Any]) -> Any:
+    """The default accumulation: ``rows[0] + rows[1] + ...`` (keeps the dtype, as TF's add_n)."""
+    return functools.reduce(operator.add, rows)
 
 
 @dataclasses.dataclass(frozen=True)
 class ReductionToOneDevice(CrossDeviceOps):
-    """Gathers every replica's value, then reduces the stack locally.
+    """Gathers every replica's value, then accumulates the stack (tf.distribute's fallback).
 
-    tf.distribute's fallback: simple and correct everywhere, but it moves N
-    times the data an all-reduce moves.
+    In cross-replica context (``reduce``, ``extended.reduce_to``) the values are
+    copied to one device, ``reduce_to_device`` (default: the first destination
+    device), accumulated there with ``accumulation_fn`` and the result copied
+    to the destinations, as in TF. Inside a replica function every replica
+    gathers the values and accumulates them itself. Simple and correct
+    everywhere, but it moves N times the data an all-reduce moves, and it cannot
+    gather values that span several processes.
+
+    Args:
+        reduce_to_device: where to reduce (a `jax.Device`, ``"/cpu:0"``, an
+            index); ``None``: the first destination device.
+        accumulation_fn: ``fn(list_of_arrays) -> array`` used for SUM and MEAN;
+            ``None``: add them in order (TF's ``add_n``). MAX/MIN take the
+            element-wise extremum.
+
+    Example:
+        >>> import jax, jaxdist as jd
+        >>> ops = jd.ReductionToOneDevice(reduce_to_device="/cpu:1")
+        >>> ops.reduce_to_device == jax.devices()[1]
+        True
     """
 
-    def _all_reduce_leaf(self, x: jax.Array, axis_name: str) -> jax.Array:
-        return jnp.sum(all_gather_invariant(x, axis_name), axis=0)
+    reduce_to_device: Any = None
+    accumulation_fn: Callable[[list[Any]], Any] | None = None
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        name = type(self).__name__
+        if self.reduce_to_device is not None:
+            device = resolve_device(self.reduce_to_device, where=f"{name}(reduce_to_device=...)")
+            object.__setattr__(self, "reduce_to_device", device)
+        if self.accumulation_fn is not None and not callable(self.accumulation_fn):
+            raise TypeError(
+                f"{name}(accumulation_fn=...): expected a function of a list of arrays (e.g. "
+                f"lambda xs: functools.reduce(jnp.add, xs)) or None, got "
+                f"{type(self.accumulation_fn).__name__}."
+            )
+
+    def _accumulate(self, rows: list[Any]) -> Any:
+        fn = self.accumulation_fn if self.accumulation_fn is not None else _add_n
+        return fn(rows)
+
+    def _all_reduce_leaf(self, x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
+        stacked = all_gather_invariant(x, axes)
+        return self._accumulate([stacked[i] for i in range(stacked.shape[0])])
+
+    def _extremum(self, op: ReduceOp, x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
+        stacked = all_gather_invariant(x, axes)
+        return jnp.max(stacked, axis=0) if op is ReduceOp.MAX else jnp.min(stacked, axis=0)
+
+    def _reduce_leaves(
+        self,
+        where: str,
+        op: ReduceOp,
+        leaves: list[Any],
+        targets: list[Any],
+        num_replicas: int | None,
+    ) -> list[Any]:
+        return [
+            self._reduce_on_device(where, op, x, self._device_for(t), num_replicas)
+            for x, t in zip(leaves, targets, strict=True)
+        ]
+
+    def _device_for(self, target: Any) -> jax.Device | None:
+        if self.reduce_to_device is not None:
+            return self.reduce_to_device
+        return None if target is None else _first_device(target)
+
+    def _reduce_on_device(
+        self, where: str, op: ReduceOp, x: Any, device: jax.Device | None, num_replicas: int | None
+    ) -> Any:
+        """Gathers ``x``'s per-replica values onto ``device`` and reduces them there."""
+
+        def to_device(a: Any) -> Any:
+            return a if device is None or is_tracer(a) else jax.device_put(a, device)
+
+        if isinstance(x, PerReplica):
+            arr = x.array
+            if isinstance(arr, jax.Array) and not is_tracer(arr) and not arr.is_fully_addressable:
+                raise ValueError(
+                    f"{where}: ReductionToOneDevice gathers every replica's value onto one "
+                    f"device, but this PerReplica (shape {x.shape}) spans devices of several "
+                    "processes, and no device can receive them all. Use NcclAllReduce or "
+                    "HierarchicalCopyAllReduce for multi-process strategies."
+                )
+            stacked = to_device(jnp.asarray(arr) if not isinstance(arr, jax.Array) else arr)
+            rows = [stacked[i] for i in range(stacked.shape[0])]
+        elif isinstance(x, Mirrored):
+            copies = num_replicas if num_replicas is not None else _device_count(x.array)
+            rows = [to_device(x.array)] * copies
+        else:
+            if num_replicas is not None and num_replicas > 1 and op is ReduceOp.SUM:
+                from jaxdist._cross_replica import reduce_leaf
+
+                return to_device(reduce_leaf(where, op, x, None, num_replicas))
+            return to_device(jnp.asarray(x))  # the same on every replica: its own reduction
+        if op in (ReduceOp.MAX, ReduceOp.MIN):
+            stacked = jnp.stack(rows)
+            return jnp.max(stacked, axis=0) if op is ReduceOp.MAX else jnp.min(stacked, axis=0)
+        total = self._accumulate(rows)
+        return total / len(rows) if op is ReduceOp.MEAN else total

@@ -1,0 +1,303 @@
+"""Communication options: how a strategy's collectives are structured and batched.
+
+`CommunicationOptions` is tf.distribute's ``tf.distribute.experimental``
+record of the same name: ``bytes_per_pack``, ``timeout_seconds`` and
+``implementation``. In jaxdist each field maps onto something real, or says
+plainly that it does not:
+
+- ``implementation`` picks the *collective structure* jaxdist emits
+  (`cross_device_ops_for`): ``AUTO`` and ``NCCL`` one all-reduce per buffer
+  (`NcclAllReduce`); ``RING`` a reduce-scatter followed by an all-gather
+  (`HierarchicalCopyAllReduce`, which over a ``("host", "local")`` replica
+  axis reduces inside each process before crossing processes). XLA, not
+  jaxdist, picks the wire algorithm of each collective (ring, tree, NCCL,
+  gloo, ICI): on GPUs both structures run on NCCL, on CPUs on gloo.
+- ``bytes_per_pack > 0`` concatenates small same-dtype tensors into buffers of
+  at least that many bytes, in leaf order (as TF's ``group_by_size`` packs),
+  and reduces one buffer per collective. ``0`` leaves batching to XLA, whose
+  combiner already merges the per-tensor all-reduces of one step.
+- ``timeout_seconds`` is kept on the options so a strategy can pass it on, but
+  JAX has no per-collective deadline to enforce it with: a collective that
+  cannot complete is detected by `jax.distributed`'s heartbeat, whose timeout
+  is set once per process at start-up (``jaxdist.initialize(
+  heartbeat_timeout_seconds=...)``).
+
+`CollectiveHints` is TF's deprecated spelling; it warns and returns a
+`CommunicationOptions`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import math
+import numbers
+import warnings
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from jaxdist.reduce import CrossDeviceOps
+
+__all__ = [
+    "CollectiveHints",
+    "CommunicationImplementation",
+    "CommunicationOptions",
+    "cross_device_ops_for",
+]
+
+
+class CommunicationImplementation(enum.Enum):
+    """Which collective structure a multi-worker strategy uses (TF's names).
+
+    ``AUTO``: jaxdist's default, one all-reduce per buffer (as ``NCCL``).
+    ``RING``: a reduce-scatter then an all-gather (the two phases of a ring
+    all-reduce), hierarchical over a two-level replica axis. ``NCCL``: one
+    all-reduce per buffer. XLA chooses the transport and wire algorithm in
+    every case.
+
+    Example:
+        >>> import jaxdist as jd
+        >>> jd.experimental.CommunicationImplementation.from_any("ring").name
+        'RING'
+    """
+
+    AUTO = "AUTO"
+    RING = "RING"
+    NCCL = "NCCL"
+
+    @classmethod
+    def from_any(cls, value: Any, *, where: str = "jaxdist") -> CommunicationImplementation:
+        """Returns ``value`` (a member, or its name in any case) as a member."""
+        if isinstance(value, cls):
+            return value
+        if isinstance(value, str) and value.strip().upper() in cls.__members__:
+            return cls[value.strip().upper()]
+        raise ValueError(
+            f"{where}: unknown implementation {value!r}. Use one of jaxdist.experimental."
+            "CommunicationImplementation.AUTO, RING, NCCL, or their names as strings "
+            "(case-insensitive), e.g. implementation='ring'."
+        )
+
+
+def _check_bytes_per_pack(value: Any, where: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
+        raise ValueError(
+            f"{where}: bytes_per_pack must be a non-negative int (bytes per packed buffer; "
+            f"0 leaves batching to XLA), got {value!r}. For 4 MiB packs write "
+            "bytes_per_pack=4 * 1024 * 1024."
+        )
+    return int(value)
+
+
+def _check_timeout(value: Any, where: str) -> float | None:
+    if value is None:
+        return None
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, numbers.Real)
+        or not math.isfinite(value)
+        or value < 0
+    ):
+        raise ValueError(
+            f"{where}: timeout_seconds must be None or a finite number of seconds >= 0 "
+            f"(0 disables the timeout, as in TF), got {value!r}."
+        )
+    return float(value)
+
+
+@dataclasses.dataclass(frozen=True)
+class CommunicationOptions:
+    """Options for cross-replica collectives, as ``tf.distribute.experimental``'s.
+
+    Pass them to a multi-worker strategy (its default for every all-reduce),
+    to a `CrossDeviceOps` (``NcclAllReduce(options=...)``), or per call
+    (``CrossDeviceOps.all_reduce(..., options=...)``, ``extended.reduce_to``);
+    per-call options override the defaults field by field (`merge`).
+
+    Attributes:
+        bytes_per_pack: ``0`` (default) reduces each tensor on its own and lets
+            XLA's combiner batch them; ``> 0`` concatenates same-dtype tensors,
+            in order, into buffers of at least this many bytes and reduces one
+            buffer per collective.
+        timeout_seconds: ``None`` or seconds (``0``: none). Carried, not
+            enforced: JAX collectives have no per-call deadline. A stuck
+            collective is caught by `jax.distributed`'s heartbeat, configured
+            once per process (``jaxdist.initialize(heartbeat_timeout_seconds=)``).
+        implementation: a `CommunicationImplementation` (or its name): the
+            collective structure, see `cross_device_ops_for`.
+
+    Example:
+        >>> import jaxdist as jd
+        >>> opts = jd.experimental.CommunicationOptions(bytes_per_pack=1024, implementation="ring")
+        >>> opts.implementation.name, opts.merge(
+        ...     jd.experimental.CommunicationOptions(timeout_seconds=30)
+        ... ).timeout_seconds
+        ('RING', 30.0)
+    """
+
+    bytes_per_pack: int = 0
+    timeout_seconds: float | None = None
+    implementation: CommunicationImplementation = CommunicationImplementation.AUTO
+
+    def __post_init__(self) -> None:
+        where = "CommunicationOptions"
+        set_ = object.__setattr__
+        set_(self, "bytes_per_pack", _check_bytes_per_pack(self.bytes_per_pack, where))
+        set_(self, "timeout_seconds", _check_timeout(self.timeout_seconds, where))
+        set_(
+            self,
+            "implementation",
+            CommunicationImplementation.from_any(self.implementation, where=where),
+        )
+
+    def merge(self, options: CommunicationOptions | None) -> CommunicationOptions:
+        """These options overridden by the non-default fields of ``options`` (TF's rule).
+
+        Args:
+            options: per-call options, or ``None`` (no change).
+
+        Returns:
+            A new `CommunicationOptions`.
+        """
+        if options is None:
+            return self
+        if not isinstance(options, CommunicationOptions):
+            raise TypeError(
+                "CommunicationOptions.merge: options must be a jaxdist.experimental."
+                f"CommunicationOptions or None, got {type(options).__name__}."
+            )
+        return CommunicationOptions(
+            bytes_per_pack=options.bytes_per_pack or self.bytes_per_pack,
+            timeout_seconds=(
+                self.timeout_seconds if options.timeout_seconds is None else options.timeout_seconds
+            ),
+            implementation=(
+                self.implementation
+                if options.implementation is CommunicationImplementation.AUTO
+                else options.implementation
+            ),
+        )
+
+
+def CollectiveHints(
+    bytes_per_pack: int = 0, timeout_seconds: float | None = None
+) -> CommunicationOptions:
+    """Deprecated (as in TF): returns ``CommunicationOptions(bytes_per_pack, timeout_seconds)``.
+
+    Example:
+        >>> import warnings, jaxdist as jd
+        >>> with warnings.catch_warnings():
+        ...     warnings.simplefilter("ignore", DeprecationWarning)
+        ...     jd.experimental.CollectiveHints(bytes_per_pack=64).bytes_per_pack
+        64
+    """
+    warnings.warn(
+        "jaxdist.experimental.CollectiveHints is deprecated, as in TF; use "
+        "jaxdist.experimental.CommunicationOptions(bytes_per_pack=..., timeout_seconds=...) "
+        "instead.",
+        DeprecationWarning,
+        stacklevel=2,
+    )
+    return CommunicationOptions(bytes_per_pack=bytes_per_pack, timeout_seconds=timeout_seconds)
+
+
+def resolve_options(
+    options: Any, where: str, *, experimental_hints: Any = None
+) -> CommunicationOptions | None:
+    """Checks a per-call ``options`` argument (and TF's deprecated ``experimental_hints``).
+
+    Returns ``None`` when neither is given (private helper).
+    """
+    if experimental_hints is not None:
+        if options is not None:
+            raise ValueError(
+                f"{where}: got both options and experimental_hints; experimental_hints is the "
+                "deprecated name of options (as in TF). Pass options only."
+            )
+        warnings.warn(
+            f"{where}: experimental_hints is deprecated, as in TF; pass options="
+            "jaxdist.experimental.CommunicationOptions(...) instead.",
+            DeprecationWarning,
+            stacklevel=3,
+        )
+        options, name = experimental_hints, "experimental_hints"
+    else:
+        name = "options"
+    if options is None or isinstance(options, CommunicationOptions):
+        return options
+    raise TypeError(
+        f"{where}: {name} must be a jaxdist.experimental.CommunicationOptions or None, got "
+        f"{type(options).__name__} ({options!r:.60}). Write "
+        "options=jd.experimental.CommunicationOptions(bytes_per_pack=...)."
+    )
+
+
+def group_by_size(sizes: Sequence[int], bytes_per_pack: int) -> list[list[int]]:
+    """Groups consecutive items into packs of at least ``bytes_per_pack`` bytes (private).
+
+    Items are taken in order; a new pack starts once the current one holds
+    ``bytes_per_pack`` bytes or more, so packs are few and large (only the last
+    may be smaller). ``bytes_per_pack == 0``: one pack per item.
+
+    Args:
+        sizes: the size of each item, in bytes.
+        bytes_per_pack: the target pack size.
+
+    Returns:
+        Lists of item indices, one list per pack, in order.
+
+    Example:
+        >>> group_by_size([4, 4, 4, 4, 4], 8)
+        [[0, 1], [2, 3], [4]]
+    """
+    if bytes_per_pack <= 0:
+        return [[i] for i in range(len(sizes))]
+    packs: list[list[int]] = []
+    filled = 0
+    for i, size in enumerate(sizes):
+        if not packs or filled >= bytes_per_pack:
+            packs.append([])
+            filled = 0
+        packs[-1].append(i)
+        filled += size
+    return packs
+
+
+def cross_device_ops_for(
+    options: CommunicationOptions | None, axis_name: str | Sequence[str]
+) -> CrossDeviceOps:
+    """The `CrossDeviceOps` a multi-worker strategy uses for ``options``.
+
+    ``AUTO`` and ``NCCL`` give `NcclAllReduce` (one all-reduce over every
+    replica axis); ``RING`` gives `HierarchicalCopyAllReduce` (reduce-scatter,
+    then all-gather; over a tuple of axes such as ``("host", "local")`` it
+    reduces within each process first). The options travel with the ops, so
+    their ``bytes_per_pack`` applies to every all-reduce. What this chooses is
+    the collective structure; XLA picks the wire algorithm.
+
+    Args:
+        options: the strategy's `CommunicationOptions` (``None``: defaults).
+        axis_name: the replica axis the ops will reduce over (a mesh axis name,
+            or a tuple of them, outermost first); checked here.
+
+    Returns:
+        A `CrossDeviceOps` carrying ``options``.
+
+    Example:
+        >>> import jaxdist as jd
+        >>> from jaxdist.communication import cross_device_ops_for
+        >>> opts = jd.experimental.CommunicationOptions(implementation="ring")
+        >>> type(cross_device_ops_for(opts, ("host", "local"))).__name__
+        'HierarchicalCopyAllReduce'
+    """
+    from jaxdist.reduce import HierarchicalCopyAllReduce, NcclAllReduce, replica_axes
+
+    where = "cross_device_ops_for"
+    replica_axes(axis_name, where=where)
+    opts = resolve_options(options, where)
+    if opts is None:
+        opts = CommunicationOptions()
+    if opts.implementation is CommunicationImplementation.RING:
+        return HierarchicalCopyAllReduce(options=opts)
+    return NcclAllReduce(options=opts)

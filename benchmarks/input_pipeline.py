@@ -1,17 +1,28 @@
-"""Serving global batches to 8 replicas: jaxdist's distributed dataset vs hand-written
-``jax.device_put(batch, NamedSharding(mesh, P('data')))``, in one process.
+"""Serving global batches to 8 replicas: jaxdist's distributed datasets vs a hand-written
+``jax.device_put(batch, NamedSharding(mesh, P('replica')))`` loop, in one process.
 
-65,536 x 784 float32 rows in batches of 512. Target: batches/s ratio >= 0.95.
-Then an MLP step with input from the dataset vs the same step on one batch
-already on the devices: prefetch should hide the input cost.
+65,536 x 784 float32 rows plus int32 labels, global batches of 512: the same batches
+from a list, a tuple, a Python generator (run by the prefetch thread) and
+`jd.data.from_arrays`. Rounds are interleaved and each ratio is taken against the
+baseline of its own round (medians of many short rounds, with the quartiles: on a
+shared 2-core machine single rounds vary by +-20%). Targets: list and tuple
+>= 0.95, generator >= 0.85. Then an MLP step fed by the dataset vs the same step on
+one batch already on the devices: prefetch should hide the input cost.
+
+Usage: ``python benchmarks/input_pipeline.py [rounds] [passes per round]``.
 """
 
 from __future__ import annotations
 
+import statistics
+import sys
 import time
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
 
 import _harness
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -21,96 +32,132 @@ import jaxdist as jd
 ROWS, FEATURES, BATCH = 65_536, 784, 512
 
 
-def batches_per_second(loop, rounds: int = 5) -> float:
-    loop()  # warm up
-    rates = []
+def drain(dataset: Iterable[Any]) -> int:
+    """Iterates one epoch and waits for its last batch; returns the batch count."""
+    count, batch = 0, None
+    for count, batch in enumerate(dataset, 1):  # noqa: B007 (the last batch is waited on)
+        pass
+    jax.block_until_ready(batch)
+    return count
+
+
+def compare(
+    loops: dict[str, Callable[[], int]], rounds: int, passes: int
+) -> dict[str, tuple[float, list[float], list[float]]]:
+    """Batches/s of each loop (median), and its per-round ratios to the first loop: of
+    batches per wall-clock second, and of batches per CPU second of the whole process
+    (which a busy machine disturbs less)."""
+    for loop in loops.values():  # warm up
+        loop()
+    rates: dict[str, list[float]] = {k: [] for k in loops}
+    cpu_rates: dict[str, list[float]] = {k: [] for k in loops}
     for _ in range(rounds):
-        start = time.perf_counter()
-        n = loop()
-        rates.append(n / (time.perf_counter() - start))
-    return float(np.median(rates))
+        for name, loop in loops.items():
+            start, cpu = time.perf_counter(), time.process_time()
+            n = sum(loop() for _ in range(passes))
+            rates[name].append(n / (time.perf_counter() - start))
+            cpu_rates[name].append(n / (time.process_time() - cpu))
+    base, cpu_base = next(iter(rates.values())), next(iter(cpu_rates.values()))
+    return {
+        k: (
+            statistics.median(v),
+            [a / b for a, b in zip(v, base, strict=True)],
+            [a / b for a, b in zip(cpu_rates[k], cpu_base, strict=True)],
+        )
+        for k, v in rates.items()
+    }
 
 
-def main() -> None:
+def main(rounds: int, passes: int) -> None:
     strategy = jd.MirroredStrategy()
-    mesh = strategy.mesh
     x = np.random.default_rng(0).normal(size=(ROWS, FEATURES)).astype(np.float32)
     y = np.random.default_rng(1).integers(0, 10, size=(ROWS,)).astype(np.int32)
-    sharding = NamedSharding(mesh, P(strategy.axis_name))
+    sharding = NamedSharding(strategy.mesh, P(strategy.axis_name))
+    batches = [(x[i : i + BATCH], y[i : i + BATCH]) for i in range(0, ROWS, BATCH)]
 
-    def hand_loop() -> int:
+    def device_put_loop() -> int:
         last = None
-        for i in range(ROWS // BATCH):
-            sl = slice(i * BATCH, (i + 1) * BATCH)
-            last = (jax.device_put(x[sl], sharding), jax.device_put(y[sl], sharding))
+        for bx, by in batches:
+            last = (jax.device_put(bx, sharding), jax.device_put(by, sharding))
         jax.block_until_ready(last)
-        return ROWS // BATCH
+        return len(batches)
 
-    ds = strategy.experimental_distribute_dataset(jd.data.from_arrays(x, y, batch_size=BATCH))
+    def generator() -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        yield from batches
 
-    def drain(dataset) -> int:
-        count, batch = 0, None
-        for count, batch in enumerate(dataset, 1):  # noqa: B007 (the last batch is waited on)
-            pass
-        jax.block_until_ready(batch)
-        return count
-
-    def jaxdist_loop() -> int:
-        return drain(ds)
-
-    def generator():
-        for i in range(ROWS // BATCH):
-            sl = slice(i * BATCH, (i + 1) * BATCH)
-            yield x[sl], y[sl]
-
-    def generator_loop() -> int:  # a general Python source: prefetched by a thread
-        return drain(strategy.experimental_distribute_dataset(generator()))
-
+    arrays = jd.data.from_arrays(x, y, batch_size=BATCH)
+    distribute = strategy.experimental_distribute_dataset
+    loops: dict[str, Callable[[], int]] = {
+        "hand-written device_put loop": device_put_loop,
+        "list of batches": lambda: drain(distribute(batches)),
+        "tuple of batches": lambda: drain(distribute(tuple(batches))),
+        "generator (prefetch thread)": lambda: drain(distribute(generator())),
+        "jd.data.from_arrays": lambda: drain(distribute(arrays)),
+    }
     print(_harness.describe_machine())
-    base = batches_per_second(hand_loop)
-    ours = batches_per_second(jaxdist_loop)
-    gen = batches_per_second(generator_loop)
-    print(f"hand-written device_put   {base:8.0f} batches/s")
-    print(f"distributed dataset       {ours:8.0f} batches/s   ratio {ours / base:.3f}")
-    print(f"  from a generator        {gen:8.0f} batches/s   ratio {gen / base:.3f} (thread)")
+    print(f"{rounds} interleaved rounds of {passes} passes over {len(batches)} batches")
+    for name, (rate, ratios, cpu_ratios) in compare(loops, rounds, passes).items():
+        q1, med, q3 = np.percentile(ratios, [25, 50, 75])
+        print(
+            f"{name:30s} {rate:7.0f} batches/s   ratio {med:.3f} (quartiles {q1:.2f}-{q3:.2f})"
+            f"   per CPU second {statistics.median(cpu_ratios):.3f}"
+        )
 
-    # With a training step in the loop.
-    import train_step as ts
+    # With a training step in the loop: an MLP, plain SGD on all-reduced gradients.
+    sizes = (FEATURES, 1024, 1024, 10)
+    keys = jax.random.split(jax.random.key(0), len(sizes) - 1)
+    params = [
+        (jax.random.normal(k, (a, b)) * (2 / a) ** 0.5, jnp.zeros(b))
+        for k, a, b in zip(keys, sizes[:-1], sizes[1:], strict=True)
+    ]
 
-    params = ts.init(jax.random.key(0))
+    def loss_fn(params: Any, bx: jax.Array, by: jax.Array) -> jax.Array:
+        h = bx
+        for w, b in params[:-1]:
+            h = jax.nn.relu(h @ w + b)
+        logits = h @ params[-1][0] + params[-1][1]
+        return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), by[:, None], axis=1))
 
-    def replica_step(ctx, params, batch):
+    def replica_step(ctx: jd.ReplicaContext, params: Any, batch: Any) -> Any:
         bx, by = batch
-        loss, g = jax.value_and_grad(ts.loss_fn)(params, bx, by)
-        return ts.sgd(params, ctx.all_reduce("mean", g)), ctx.all_reduce("mean", loss)
+        loss, g = jax.value_and_grad(loss_fn)(params, bx, by)
+        g = ctx.all_reduce("mean", g)
+        new = jax.tree.map(lambda p, d: p - 0.01 * d, params, g)
+        return new, ctx.all_reduce("mean", loss)
 
     step = strategy.function(replica_step)
+    ds = distribute(arrays)
     fixed = next(iter(ds))
     state = {"p": params}
 
-    def steps_fixed(k: int = 32) -> int:
-        for _ in range(k):
-            state["p"], loss = step(state["p"], fixed)
-        loss.array.block_until_ready()
-        return k
+    def steps(feed: Callable[[], Iterator[Any]], k: int = 32) -> Callable[[], int]:
+        def loop() -> int:
+            it = feed()
+            for _ in range(k):
+                state["p"], loss = step(state["p"], next(it))
+            loss.array.block_until_ready()
+            return k
 
-    def steps_from_dataset(k: int = 32) -> int:
-        it = iter(ds)
-        for _ in range(k):
-            state["p"], loss = step(state["p"], next(it))
-        loss.array.block_until_ready()
-        it.close()
-        return k
+        return loop
 
-    no_input = batches_per_second(steps_fixed)
-    with_input = batches_per_second(steps_from_dataset)
-    print(f"MLP step, batch already on devices  {1e3 / no_input:7.2f} ms/step")
-    print(
-        f"MLP step, batch from the dataset    {1e3 / with_input:7.2f} ms/step   "
-        f"ratio {no_input / with_input:.3f} of the input-free time"
-    )
+    def fixed_feed() -> Iterator[Any]:
+        while True:
+            yield fixed
+
+    step_loops = {
+        "batch already on the devices": steps(fixed_feed),
+        "from jd.data.from_arrays": steps(lambda: iter(ds)),
+        "from a generator": steps(lambda: iter(distribute(generator()))),
+    }
+    print("MLP step 784-1024-1024-10, global batch 512:")
+    for name, (rate, ratios, _) in compare(step_loops, 7, 1).items():
+        print(
+            f"  {name:30s} {1e3 / rate:7.2f} ms/step   "
+            f"time ratio {1 / statistics.median(ratios):.3f}"
+        )
 
 
 if __name__ == "__main__":
     _harness.setup_devices(8)
-    main()
+    args = [int(a) for a in sys.argv[1:]]
+    main(*(args + [41, 1][len(args) :]))

@@ -1,19 +1,21 @@
-"""In-memory datasets: batches sliced from arrays, the fast path for array sources.
+"""Re-iterable datasets: batches sliced from arrays, and generators made anew each epoch.
 
 Slicing whole batches out of one array is far faster than stacking records
-one by one (see benchmarks/README.md), so arrays get their own source.
+one by one (see benchmarks/README.md), so arrays get their own source. A
+generator object gives a single epoch; `from_generator` wraps the function
+that makes it, so every ``iter()`` (every epoch) starts a new one.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import jax
 import numpy as np
 
-__all__ = ["ArrayDataset", "from_arrays"]
+__all__ = ["ArrayDataset", "GeneratorDataset", "from_arrays", "from_generator"]
 
 
 class ArrayDataset:
@@ -99,3 +101,66 @@ def from_arrays(
             f"jaxdist.data.from_arrays: every array needs the same leading (row) axis; got {sizes}."
         )
     return ArrayDataset(data, batch_size, shuffle, seed, drop_remainder)
+
+
+class GeneratorDataset:
+    """Batches from ``generator_fn()``, called anew on every ``iter()`` (one epoch each).
+
+    Built by `from_generator`.
+    """
+
+    def __init__(self, generator_fn: Callable[[], Iterable[Any]]) -> None:
+        self.generator_fn = generator_fn
+
+    def __iter__(self) -> Iterator[Any]:
+        made = self.generator_fn()
+        if not isinstance(made, Iterable):
+            name = getattr(self.generator_fn, "__name__", repr(self.generator_fn))
+            raise TypeError(
+                f"jaxdist.data.from_generator: generator_fn {name}() returned a value of type "
+                f"{type(made).__name__}, not an iterable of batches. Pass the generator "
+                "function itself (from_generator(gen), not from_generator(gen()) or a function "
+                "returning one batch)."
+            )
+        return iter(made)
+
+    def __repr__(self) -> str:
+        return f"GeneratorDataset({self.generator_fn!r})"
+
+
+def from_generator(generator_fn: Callable[[], Iterable[Any]]) -> GeneratorDataset:
+    """A re-iterable dataset from a function that returns a new generator of batches.
+
+    A generator object can be iterated once, so a distributed dataset made from
+    one has a single epoch. Wrap the generator *function* instead: each epoch
+    (each ``iter()``) calls it again and iterates what it returns.
+
+    Args:
+        generator_fn: a function of no arguments returning an iterable of
+            batches (typically a generator function; use ``functools.partial``
+            or a lambda to bind arguments).
+
+    Returns:
+        A `GeneratorDataset`: iterable any number of times.
+
+    Example:
+        >>> import numpy as np, jaxdist as jd
+        >>> def batches():
+        ...     for i in range(2):
+        ...         yield np.full(4, i)
+        >>> ds = jd.data.from_generator(batches)
+        >>> [b.tolist() for b in ds], len(list(ds))
+        ([[0, 0, 0, 0], [1, 1, 1, 1]], 2)
+    """
+    if not callable(generator_fn):
+        hint = (
+            " It is a generator object: pass the generator function (from_generator(gen), not "
+            "from_generator(gen()))."
+            if isinstance(generator_fn, Iterator)
+            else ""
+        )
+        raise TypeError(
+            "jaxdist.data.from_generator: generator_fn must be a callable returning an iterable "
+            f"of batches, got a {type(generator_fn).__name__}.{hint}"
+        )
+    return GeneratorDataset(generator_fn)

@@ -319,8 +319,18 @@ def test_prefetch_is_bounded() -> None:
     it = iter(s.experimental_distribute_dataset(source(), opts))
     next(it)
     time.sleep(0.5)  # let the prefetch thread run as far as it can
-    assert 1 + 2 <= len(pulled) <= 1 + 2 + 1  # ran ahead to fill the buffer, no further
+    # Ran ahead: up to 2 batches on the devices, a host queue of max(4, 2), one in the
+    # making; no further.
+    assert 1 + 4 <= len(pulled) <= 1 + 2 + 4 + 1
     it.close()
+    for size in (1, 8):  # the host queue grows with a larger buffer
+        pulled.clear()
+        opts = jd.InputOptions(experimental_per_replica_buffer_size=size)
+        it = iter(s.experimental_distribute_dataset(source(), opts))
+        next(it)
+        time.sleep(0.3)
+        assert 1 + max(4, size) <= len(pulled) <= 1 + size + max(4, size) + 1
+        it.close()
 
 
 def test_host_batches_without_fetch_to_device(mirrored8: jd.MirroredStrategy) -> None:

@@ -6,12 +6,16 @@ batch into per-replica rows (replica ``r`` of a full batch gets rows
 does, ``ceil(B'/N)`` rows per replica in order), pads every replica to the
 established per-replica size ``b`` so the step never recompiles, records the
 valid-row counts, and places each leaf straight into the sharded layout.
+
+`Layout` says which replicas this process feeds: in a job of several
+processes each one provides only its own replicas' rows.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import jax
@@ -19,45 +23,136 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxdist.input.options import AutoShardPolicy
 from jaxdist.values import DistributedValues, PerReplica
 
 if TYPE_CHECKING:
     from jaxdist.input.options import InputOptions
     from jaxdist.strategy import Strategy
 
+HostBatch = tuple[list[np.ndarray], np.ndarray]
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """Which replicas this process feeds (private).
+
+    Attributes:
+        n: the number of replicas in sync.
+        local: the replicas whose rows this process provides, ascending.
+        num_processes: how many processes the strategy's devices span (the
+            number of input pipelines of `InputReplicationMode.PER_WORKER`).
+        process_rank: this process's position among them (its pipeline id).
+    """
+
+    n: int
+    local: tuple[int, ...]
+    num_processes: int
+    process_rank: int
+
+    @property
+    def multi_process(self) -> bool:
+        return self.num_processes > 1
+
+
+def replica_layout(
+    strategy: Strategy,
+    *,
+    process_index: int | None = None,
+    process_of: Callable[[jax.Device], int] | None = None,
+) -> Layout:
+    """The `Layout` of ``strategy`` as seen from one process.
+
+    Args:
+        strategy: the strategy whose replicas are fed.
+        process_index: the process to look from (default: this one).
+        process_of: a device's process (default: ``device.process_index``);
+            tests pass their own to simulate a job of several processes.
+
+    Returns:
+        The replicas whose devices belong to that process, and the process's
+        rank among the processes that own any of the strategy's devices.
+    """
+    n = strategy.num_replicas_in_sync
+    me = jax.process_index() if process_index is None else process_index
+    owner = process_of if process_of is not None else (lambda d: d.process_index)
+    sharding = NamedSharding(strategy.mesh, P(strategy.axis_name))
+    local: set[int] = set()
+    processes: set[int] = set()
+    for device, index in sharding.devices_indices_map((n,)).items():
+        p = owner(device)
+        processes.add(p)
+        if p == me:
+            local.update(range(*index[0].indices(n)))
+    if not local:
+        raise ValueError(
+            f"{type(strategy).__name__}: process {me} owns none of the strategy's devices (they "
+            f"belong to processes {sorted(processes)}), so it has no replicas to feed. Create "
+            "the strategy over devices that include this process's (jax.local_devices())."
+        )
+    ranks = sorted(processes)
+    return Layout(n, tuple(sorted(local)), len(ranks), ranks.index(me))
+
 
 class Batcher:
-    """Splits, pads and places batches for one distributed dataset (private)."""
+    """Splits, pads and places batches for one iterator of a distributed dataset (private).
 
-    def __init__(self, strategy: Strategy, options: InputOptions, where: str) -> None:
-        self.strategy = strategy
+    ``warned`` is shared by every iterator of one dataset, so a warning is
+    given once per dataset; warnings found while batching (possibly in the
+    prefetch thread) wait in ``pending`` until the consumer emits them.
+    """
+
+    def __init__(
+        self,
+        strategy: Strategy,
+        options: InputOptions,
+        where: str,
+        layout: Layout,
+        warned: set[str] | None = None,
+    ) -> None:
         self.options = options
         self.where = where
-        self.n = strategy.num_replicas_in_sync
-        me = jax.process_index()
-        self.local = [r for r, d in enumerate(strategy.mesh.devices.flat) if d.process_index == me]
+        self.n = layout.n
+        self.multi_process = layout.multi_process
         self.sharding = NamedSharding(strategy.mesh, P(strategy.axis_name))
         self.replicated = NamedSharding(strategy.mesh, P())
-        self.multi_process = jax.process_count() > 1
+        self.warned: set[str] = warned if warned is not None else set()
+        self.pending: list[str] = []
         self.treedef: Any = None
         self.row_shapes: list[tuple[tuple[int, ...], Any]] | None = None
         self.b: int | None = None  # per-replica rows, fixed by the first batch
+        self._batches = 0  # global batches seen
+        self._first_rows = 0
         self._full_valid: Any = None
         self._full_counts: np.ndarray | None = None
+        # With AutoShardPolicy.OFF across processes each process's batch is its own share:
+        # it is split over this process's replicas, and only their counts are known here.
+        off = options.experimental_auto_shard_policy is AutoShardPolicy.OFF
+        self._own_share = off and self.multi_process
+        self._share = len(layout.local) if self._own_share else self.n
+        self._wanted = list(range(self._share)) if self._own_share else list(layout.local)
+        lo = self._wanted[0]
+        contiguous = self._wanted == list(range(lo, lo + len(self._wanted)))
+        self._span = slice(lo, lo + len(self._wanted)) if contiguous else None
 
     # Checks -----------------------------------------------------------------------
 
     def leaves(self, batch: Any, *, per_replica: bool) -> list[np.ndarray]:
         """The batch's leaves as NumPy arrays, after checking them against the first."""
-        if self.row_shapes is not None:  # fast path: the structure is known
+        if self.row_shapes is not None:  # fast path: NumPy leaves shaped like the first's
             leaves, treedef = jax.tree.flatten(batch)
-            if treedef == self.treedef and all(
-                type(a) is np.ndarray and a.ndim and (a.shape[1:], a.dtype) == rs
-                for a, rs in zip(leaves, self.row_shapes, strict=True)
-            ):
-                rows = leaves[0].shape[0]
-                if all(a.shape[0] == rows for a in leaves):
-                    return leaves
+            if treedef == self.treedef:
+                rows = None
+                for a, (shape, dtype) in zip(leaves, self.row_shapes, strict=True):
+                    if type(a) is not np.ndarray or a.shape[1:] != shape or a.dtype != dtype:
+                        break
+                    if rows is None:
+                        rows = a.shape[:1]
+                    elif a.shape[:1] != rows:
+                        break
+                else:
+                    if rows:
+                        return leaves
         return self._checked_leaves(batch, per_replica=per_replica)
 
     def _checked_leaves(self, batch: Any, *, per_replica: bool) -> list[np.ndarray]:
@@ -125,16 +220,41 @@ class Batcher:
             )
         return True
 
+    def _note_uneven(self) -> None:
+        """Once per dataset: the first global batch was not the last and does not split
+        evenly, so every step carries padding."""
+        rows, share = self._first_rows, self._share
+        if not rows % share or "uneven" in self.warned:
+            return
+        self.warned.add("uneven")
+        assert self.b is not None
+        lower, upper = rows // share * share, (rows // share + 1) * share
+        fix = f"{lower} or {upper}" if lower else f"{upper}"
+        what, size = (
+            ("this process's batch size", "batch size")
+            if self._own_share
+            else ("the global batch size", "global batch size")
+        )
+        self.pending.append(
+            f"{self.where}: {what} {rows} is not divisible by the {share} replicas, so every "
+            f"step pads each replica to {self.b} rows ({share * self.b - rows} padding rows "
+            f"per step, masked out of reductions but still computed). Use a {size} that is a "
+            f"multiple of {share}, for example {fix}."
+        )
+
     # Global batches ----------------------------------------------------------------
 
-    def from_global(self, batch: Any) -> tuple[list[np.ndarray], np.ndarray] | None:
-        """Host (local replicas, b, ...) arrays and valid counts for one global batch."""
+    def from_global(self, batch: Any) -> HostBatch | None:
+        """Host (local replicas, b, ...) arrays and valid counts for one global batch;
+        ``None`` when the partial-batch policy drops it."""
         leaves = self.leaves(batch, per_replica=False)
         rows = leaves[0].shape[0]
-        off = self.options.experimental_auto_shard_policy.value == "OFF"
-        share = len(self.local) if (off and self.multi_process) else self.n
+        share = self._share
         if self.b is None:
-            self.b = math.ceil(rows / share)
+            self.b, self._first_rows = math.ceil(rows / share), rows
+        elif self._batches == 1:
+            self._note_uneven()
+        self._batches += 1
         b = self.b
         if rows > share * b:
             raise ValueError(
@@ -142,34 +262,36 @@ class Batcher:
                 f"({share * b} rows, {b} per replica for {share} replicas); batches may only "
                 "shrink at the end of the dataset."
             )
-        wanted = range(share) if off and self.multi_process else self.local
-        if rows == share * b and len(wanted) == share:  # a full batch: views, no copies
+        wanted = self._wanted
+        if rows == share * b:  # a full batch: views where the rows are contiguous
             if self._full_counts is None:
-                self._full_counts = np.full(self.n, b, np.int32)
-            return [a.reshape(share, b, *a.shape[1:]) for a in leaves], self._full_counts
-        if rows < share * b and not self._partial(rows, share * b):
+                self._full_counts = np.full(share, b, np.int32)
+            out = []
+            for a in leaves:
+                split = a.reshape(share, b, *a.shape[1:])
+                if len(wanted) == share:
+                    out.append(split)
+                else:
+                    out.append(split[self._span] if self._span is not None else split[wanted])
+            return out, self._full_counts
+        if not self._partial(rows, share * b):
             return None
-        per = b if rows == share * b else math.ceil(rows / share)
+        # tf.distribute's split of a partial batch: ceil(rows / share) rows per replica.
+        per = math.ceil(rows / share)
         counts = np.clip(rows - per * np.arange(share), 0, per).astype(np.int32)
         out = []
         for a in leaves:
-            if rows == share * b and per == b:
-                split = a.reshape(share, b, *a.shape[1:])
-                out.append(split if len(wanted) == share else split[list(wanted)])
-            else:
-                padded = np.zeros((len(wanted), b, *a.shape[1:]), a.dtype)
-                for i, r in enumerate(wanted):
-                    padded[i, : counts[r]] = a[r * per : r * per + counts[r]]
-                out.append(padded)
+            padded = np.zeros((len(wanted), b, *a.shape[1:]), a.dtype)
+            for i, r in enumerate(wanted):
+                padded[i, : counts[r]] = a[r * per : r * per + counts[r]]
+            out.append(padded)
         # Every replica's counts (each process read the whole global batch), or with the
         # OFF policy across processes, this process's replicas' counts only.
         return out, counts
 
     # Per-replica batches -----------------------------------------------------------
 
-    def from_per_replica(
-        self, elements: Sequence[Any | None]
-    ) -> tuple[list[np.ndarray], np.ndarray] | None:
+    def from_per_replica(self, elements: Sequence[Any | None]) -> HostBatch | None:
         """Stacks one per-replica batch per local replica (None: that replica got none);
         ``None`` when the partial-batch policy drops the step."""
         leaf_lists = [None if e is None else self.leaves(e, per_replica=True) for e in elements]
@@ -191,11 +313,15 @@ class Batcher:
         out = []
         assert self.row_shapes is not None
         for j, (shape, dtype) in enumerate(self.row_shapes):
+            if counts.min() == b:
+                out.append(np.stack([ls[j] for ls in present]))
+                continue
             stacked = np.zeros((len(elements), b, *shape), dtype)
             for i, ls in enumerate(leaf_lists):
                 if ls is not None:
                     stacked[i, : counts[i]] = ls[j]
             out.append(stacked)
+        # This process's replicas' counts: every replica's in a single process.
         return out, counts
 
     # Placement ---------------------------------------------------------------------
@@ -231,10 +357,8 @@ class Batcher:
         single process, each process its own rows in a multi-process job."""
         if not self.multi_process:
             return jax.device_put(local, self.sharding)
-        return [
-            jax.make_array_from_process_local_data(self.sharding, a, (self.n, *a.shape[1:]))
-            for a in local
-        ]
+        shapes = [(self.n, *a.shape[1:]) for a in local]
+        return jax.make_array_from_process_local_data(self.sharding, local, shapes)
 
     def spec(self, element: Any) -> Any:
         """`jax.ShapeDtypeStruct`s (with shardings) for the elements this batcher yields."""

@@ -3,7 +3,9 @@
 `distribute_dataset`: a source of *global* batches (an iterable, a
 `jaxdist.data.ArrayDataset`, a grain dataset or loader, a ``tf.data.Dataset``)
 is split across replicas. `distribute_from_function`: ``dataset_fn`` builds
-one pipeline per process (or per replica) that yields *per-replica* batches.
+one pipeline per process (or per replica) that yields *per-replica* batches;
+it is called once, when the dataset is distributed, and every epoch iterates
+the pipelines it returned again (so a shuffling source reshuffles).
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import jax
 import numpy as np
 
 from jaxdist.data import ArrayDataset
-from jaxdist.input.batching import Batcher
+from jaxdist.input.batching import Batcher, HostBatch, Layout, replica_layout
 from jaxdist.input.dataset import DistributedDataset
 from jaxdist.input.options import (
     AutoShardPolicy,
@@ -27,12 +29,23 @@ from jaxdist.input.options import (
 if TYPE_CHECKING:
     from jaxdist.strategy import Strategy
 
+_REITERABLE = (
+    "a list of batches, jaxdist.data.from_arrays(...), or jaxdist.data.from_generator(fn) "
+    "with a function fn that returns a new generator for each epoch"
+)
 
-def _check_options(options: Any, where: str) -> InputOptions:
+
+def _check_options(options: Any, where: str, layout: Layout) -> InputOptions:
     if options is None:
-        return InputOptions()
+        options = InputOptions()
     if not isinstance(options, InputOptions):
         raise TypeError(f"{where}: options must be a jaxdist.InputOptions, got {type(options)}.")
+    if layout.multi_process and not options.experimental_fetch_to_device:
+        raise ValueError(
+            f"{where}: InputOptions(experimental_fetch_to_device=False) yields host NumPy "
+            f"batches, which cannot hold the replicas of the {layout.num_processes} processes "
+            "this strategy spans. Keep experimental_fetch_to_device=True in a multi-process job."
+        )
     return options
 
 
@@ -41,6 +54,16 @@ def _iterate(source: Any) -> Iterator[Any]:
     if hasattr(source, "as_numpy_iterator") and type(source).__module__.startswith("tensorflow"):
         return iter(source.as_numpy_iterator())
     return iter(source)
+
+
+def _in_memory(source: Any) -> bool:
+    """Sources whose next batch costs nothing to make: prefetched without a thread."""
+    return isinstance(source, (ArrayDataset, list, tuple))
+
+
+def _one_shot(source: Any) -> bool:
+    """An iterator (a generator, a file, ``map(...)``): it gives exactly one epoch."""
+    return isinstance(source, Iterator)
 
 
 def _check_source(dataset: Any, where: str) -> None:
@@ -61,7 +84,8 @@ def _check_source(dataset: Any, where: str) -> None:
 
 def distribute_dataset(strategy: Strategy, dataset: Any, options: Any) -> DistributedDataset:
     where = f"{type(strategy).__name__}.experimental_distribute_dataset"
-    options = _check_options(options, where)
+    layout = replica_layout(strategy)
+    options = _check_options(options, where, layout)
     _check_source(dataset, where)
     if options.experimental_auto_shard_policy is AutoShardPolicy.FILE:
         raise ValueError(
@@ -76,15 +100,25 @@ def distribute_dataset(strategy: Strategy, dataset: Any, options: Any) -> Distri
             "distribute_datasets_from_function only."
         )
 
-    def producer(batcher: Batcher) -> Iterator[tuple[list[np.ndarray], np.ndarray]]:
+    def producer(batcher: Batcher) -> Iterator[HostBatch]:
         for batch in _iterate(dataset):
             host = batcher.from_global(batch)
             if host is not None:
                 yield host
 
-    in_memory = isinstance(dataset, ArrayDataset)
+    one_shot = None
+    if _one_shot(dataset):
+        one_shot = (
+            f"{where}: the dataset is a {type(dataset).__name__}, an iterator that gives one "
+            "epoch, and iter() already started it; another iter() would yield nothing. "
+            f"Distribute a source that can be iterated again: {_REITERABLE}."
+        )
+    warned: set[str] = set()
     return DistributedDataset(
-        producer, lambda: Batcher(strategy, options, where), threaded=not in_memory
+        producer,
+        lambda: Batcher(strategy, options, where, layout, warned),
+        threaded=not _in_memory(dataset),
+        one_shot=one_shot,
     )
 
 
@@ -92,31 +126,31 @@ def distribute_from_function(
     strategy: Strategy, dataset_fn: Callable[[InputContext], Any], options: Any
 ) -> DistributedDataset:
     where = f"{type(strategy).__name__}.distribute_datasets_from_function"
-    options = _check_options(options, where)
+    layout = replica_layout(strategy)
+    options = _check_options(options, where, layout)
     if not callable(dataset_fn):
         raise TypeError(f"{where}: dataset_fn must be callable, got {type(dataset_fn).__name__}.")
-    n = strategy.num_replicas_in_sync
+    n = layout.n
     per_replica_mode = options.experimental_replication_mode is InputReplicationMode.PER_REPLICA
+    if per_replica_mode:
+        contexts = [InputContext(n, r, n) for r in layout.local]
+    else:
+        contexts = [InputContext(layout.num_processes, layout.process_rank, n)]
+    # As in tf.distribute: dataset_fn runs once per input pipeline, here and now; each
+    # epoch iterates the datasets it returned again.
+    datasets = []
+    for ctx in contexts:
+        ds = dataset_fn(ctx)
+        _check_source(ds, f"{where} (the dataset returned by dataset_fn)")
+        datasets.append(ds)
+    n_local = len(layout.local)
 
-    def pipelines(batcher: Batcher) -> list[Iterator[Any]]:
-        if per_replica_mode:
-            contexts = [InputContext(n, r, n) for r in batcher.local]
-        else:
-            contexts = [InputContext(jax.process_count(), jax.process_index(), n)]
-        made = []
-        for ctx in contexts:
-            ds = dataset_fn(ctx)
-            _check_source(ds, f"{where} (the dataset returned by dataset_fn)")
-            made.append(_iterate(ds))
-        return made
-
-    def producer(batcher: Batcher) -> Iterator[tuple[list[np.ndarray], np.ndarray]]:
-        its = pipelines(batcher)
-        n_local = len(batcher.local)
+    def producer(batcher: Batcher) -> Iterator[HostBatch]:
+        its = [_iterate(ds) for ds in datasets]
         while True:
             if per_replica_mode:
                 elements = [next(it, None) for it in its]
-            else:
+            else:  # consecutive elements of the one pipeline feed the replicas in turn
                 elements = []
                 for _ in range(n_local):
                     e = next(its[0], None)
@@ -130,4 +164,17 @@ def distribute_from_function(
             if host is not None:
                 yield host
 
-    return DistributedDataset(producer, lambda: Batcher(strategy, options, where))
+    one_shot = None
+    shot = next((ds for ds in datasets if _one_shot(ds)), None)
+    if shot is not None:
+        one_shot = (
+            f"{where}: dataset_fn returned a {type(shot).__name__}, an iterator that gives one "
+            "epoch, and iter() already started it; another iter() would yield nothing. Return "
+            f"a source that can be iterated again from dataset_fn: {_REITERABLE}."
+        )
+    return DistributedDataset(
+        producer,
+        lambda: Batcher(strategy, options, where, layout),
+        threaded=not all(_in_memory(ds) for ds in datasets),
+        one_shot=one_shot,
+    )

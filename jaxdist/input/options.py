@@ -41,11 +41,15 @@ class InputOptions:
     """Options for distributed datasets.
 
     Attributes:
-        experimental_fetch_to_device: place batches on the replicas' devices (in
-            a background thread); False yields host NumPy arrays.
+        experimental_fetch_to_device: place batches on the replicas' devices,
+            ahead of the step; False yields host NumPy arrays (single process
+            only).
         experimental_replication_mode: see `InputReplicationMode`.
-        experimental_per_replica_buffer_size: batches prefetched ahead of the
-            consumer (the bound on what a stalled iterator holds).
+        experimental_per_replica_buffer_size: batches placed on the devices
+            ahead of the one being consumed. A general source (a generator,
+            grain, tf.data) also runs in a background thread that queues up
+            to ``max(4, buffer size)`` host batches; together these bound what
+            a stalled iterator holds.
         experimental_auto_shard_policy: see `AutoShardPolicy`.
         partial_batches: what to do with a last batch smaller than the others:
             ``"pad"`` (default: pad and mask, never lose rows), ``"drop"``, or

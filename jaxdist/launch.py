@@ -1,0 +1,764 @@
+"""`python -m jaxdist.launch`: start a multi-process jaxdist job on this machine (like torchrun).
+
+Usage::
+
+    python -m jaxdist.launch [options] script.py [script arguments ...]
+    python -m jaxdist.launch [options] -m package.module [module arguments ...]
+    jaxdist-launch [options] script.py [script arguments ...]
+
+``python -m jaxdist.launch --nprocs 2 --devices-per-proc 4 train.py --epochs 1``
+starts two processes that each run ``python train.py --epochs 1`` with 4
+simulated CPU devices, and a coordinator address on a free loopback port; in
+``train.py``, ``jaxdist.MultiWorkerMirroredStrategy()`` (or
+``jaxdist.initialize()``) finds them and starts `jax.distributed`. Every
+argument after the script (or after ``-m MODULE``) goes to the program
+unchanged, ``--`` included.
+
+Options:
+
+===========================  =====================================================
+``--nprocs N``               processes to start (default 1)
+``--devices-per-proc K``     CPU: simulated devices per process (default 1)
+``--gpus-per-proc K``        GPU: give process ``i`` the GPUs ``i*K .. i*K+K-1``
+``--max-restarts K``         restart the whole group up to K times (default 0)
+``--kill-timeout SECONDS``   grace between SIGTERM and SIGKILL (default 5)
+``--coordinator-port PORT``  pin the coordinator port (alias ``--master-port``)
+``--no-prefix``              do not prefix output lines with ``[i] ``
+``-m``                       the program is a module name, as in ``python -m``
+===========================  =====================================================
+
+Environment of process ``i`` (everything else is inherited from the launcher):
+
+=================================  ==============================================
+``JAXDIST_COORDINATOR_ADDRESS``    ``127.0.0.1:PORT``, a free port picked at each
+                                   (re)start unless ``--coordinator-port``
+``JAXDIST_NUM_PROCESSES``          ``N``
+``JAXDIST_PROCESS_ID``             ``i``, from 0 to ``N - 1``
+``JAXDIST_LOCAL_DEVICE_COUNT``     devices per process ``K``
+``JAXDIST_RESTART_COUNT``          restarts of the group so far (0 at first)
+``JAX_NUM_CPU_DEVICES``            CPU only: ``K``, replacing an inherited value
+``JAX_PLATFORMS``                  CPU only: ``cpu``, unless already set
+``CUDA_VISIBLE_DEVICES``           ``--gpus-per-proc`` only: this process's slice
+                                   of the launcher's own list (or of ``0, 1, ...``)
+``PYTHONUNBUFFERED``               ``1`` unless already set, so lines show at once
+=================================  ==============================================
+
+Output: each line a process writes to stdout (stderr) is copied whole to the
+launcher's stdout (stderr), prefixed with ``[i] ``; lines of different
+processes never mix within a line. Processes read no standard input.
+
+Failures: the first process to exit with a non-zero code or to die by a
+signal stops the job: the launcher sends SIGTERM to the others, SIGKILL to
+those still running ``--kill-timeout`` seconds later, and says which process
+failed first, e.g. ``jaxdist.launch: process 1 exited with code 3 (first
+failure); stopped the other 1 process.`` With ``--max-restarts K`` the whole
+group is then started again, with a new coordinator port and
+``JAXDIST_RESTART_COUNT`` one higher, at most K times; scripts resume from
+their checkpoints. A process that exits with code 0 while others run is
+simply done.
+
+Exit code of the launcher:
+
+* 0: every process exited with code 0;
+* the first failure's exit code, or ``128 + S`` if it died by signal ``S``
+  (137 for SIGKILL), once no restart is left;
+* 2: bad arguments, or a script that does not exist (nothing was started);
+* ``128 + S`` when the launcher itself got signal ``S`` (130 for Ctrl-C);
+* 1: a process could not be started at all.
+
+Signals: SIGINT, SIGTERM and SIGHUP sent to the launcher are forwarded to
+every process (and restarts stop); a second one, or ``--kill-timeout``
+seconds without the processes exiting, sends SIGKILL. Each process runs in
+its own session and process group, and the launcher signals whole groups,
+so helpers that a process started die with it; when every process has
+exited, members of their groups still running get SIGTERM, then SIGKILL.
+On Linux each process also gets SIGKILL if the launcher itself dies
+abruptly (``PR_SET_PDEATHSIG``); helpers a process started are not covered
+by that. POSIX only.
+
+The free port is found by binding port 0 on 127.0.0.1 and closing the
+socket; another program could take it before process 0 listens there, in
+which case the job fails and ``--max-restarts`` retries with a new port.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import os
+import selectors
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from types import FrameType
+from typing import IO, Any, TextIO
+
+__all__ = [
+    "DEFAULT_KILL_TIMEOUT",
+    "LaunchConfig",
+    "child_environment",
+    "free_port",
+    "launch",
+    "main",
+]
+
+# The launcher's contract with `jaxdist.cluster_resolver.LauncherClusterResolver` (same names;
+# a test checks). Spelled out here so that the launcher imports nothing but the standard library.
+ENV_COORDINATOR_ADDRESS = "JAXDIST_COORDINATOR_ADDRESS"
+ENV_NUM_PROCESSES = "JAXDIST_NUM_PROCESSES"
+ENV_PROCESS_ID = "JAXDIST_PROCESS_ID"
+ENV_LOCAL_DEVICE_COUNT = "JAXDIST_LOCAL_DEVICE_COUNT"
+ENV_RESTART_COUNT = "JAXDIST_RESTART_COUNT"
+
+LOOPBACK = "127.0.0.1"
+DEFAULT_KILL_TIMEOUT = 5.0
+_NAME = "jaxdist.launch"
+_POLL_INTERVAL = 0.05  # seconds between checks of the processes while copying their output
+_DRAIN_TIMEOUT = 2.0  # seconds to finish copying output after the processes exited
+_MAX_LINE = 1 << 16  # a longer line without a newline is copied in pieces
+_FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+_PR_SET_PDEATHSIG = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class LaunchConfig:
+    """What to start and how: the launcher's command line as a value.
+
+    Args:
+        program: the script path, or the module name when ``module`` is true.
+        args: the program's arguments.
+        module: run ``program`` as ``python -m program``.
+        nprocs: the number of processes, at least 1.
+        devices_per_proc: CPU only: simulated devices per process (``None``: 1).
+        gpus_per_proc: GPUs per process; selects the GPU platform.
+        max_restarts: how many times the group may be restarted after a failure.
+        kill_timeout: seconds between SIGTERM and SIGKILL when stopping processes.
+        coordinator_port: a fixed coordinator port on 127.0.0.1 (``None``: a free one).
+        prefix: prefix each output line with ``[i] ``.
+
+    Example:
+        >>> from jaxdist.launch import LaunchConfig
+        >>> LaunchConfig("train.py", args=("--epochs", "1"), nprocs=2).command()[1:]
+        ['train.py', '--epochs', '1']
+        >>> LaunchConfig("train.py", nprocs=0)
+        Traceback (most recent call last):
+        ...
+        ValueError: LaunchConfig(nprocs=0) (--nprocs): must be at least 1 (the number of processes).
+    """
+
+    program: str
+    args: tuple[str, ...] = ()
+    module: bool = False
+    nprocs: int = 1
+    devices_per_proc: int | None = None
+    gpus_per_proc: int | None = None
+    max_restarts: int = 0
+    kill_timeout: float = DEFAULT_KILL_TIMEOUT
+    coordinator_port: int | None = None
+    prefix: bool = True
+
+    def __post_init__(self) -> None:
+        port, inf = self.coordinator_port, float("inf")
+        for name, value, low, high, why in [
+            ("nprocs", self.nprocs, 1, inf, "must be at least 1 (the number of processes)"),
+            ("max_restarts", self.max_restarts, 0, inf, "must be >= 0 (0: never restart)"),
+            ("kill_timeout", self.kill_timeout, 0, inf, "must be >= 0 (0: SIGKILL at once)"),
+            ("devices_per_proc", self.devices_per_proc, 1, inf, "must be >= 1, or None for 1"),
+            ("gpus_per_proc", self.gpus_per_proc, 1, inf, "must be >= 1, or None for CPU"),
+            ("coordinator_port", port, 1, 65535, "must be in 1..65535, or None for a free one"),
+        ]:
+            if value is not None and not low <= value <= high:
+                option = "--" + name.replace("_", "-")
+                raise ValueError(f"LaunchConfig({name}={value!r}) ({option}): {why}.")
+        if self.devices_per_proc is not None and self.gpus_per_proc is not None:
+            raise ValueError(
+                f"LaunchConfig(devices_per_proc={self.devices_per_proc}, gpus_per_proc="
+                f"{self.gpus_per_proc}): devices_per_proc is for simulated CPU devices and "
+                "gpus_per_proc for GPUs; pass one of them."
+            )
+        if self.module and not all(part.isidentifier() for part in self.program.split(".")):
+            raise ValueError(
+                f"LaunchConfig(program={self.program!r}, module=True): not a dotted module name "
+                "such as 'package.module'; without -m (module=False) the program is a script path."
+            )
+
+    @property
+    def local_device_count(self) -> int:
+        """Devices each process gets: ``gpus_per_proc``, else ``devices_per_proc``, else 1."""
+        return self.gpus_per_proc or self.devices_per_proc or 1
+
+    def command(self) -> list[str]:
+        """The command line of every process: this Python running the program with its args."""
+        target = ["-m", self.program] if self.module else [self.program]
+        return [sys.executable, *target, *self.args]
+
+
+def child_environment(
+    config: LaunchConfig,
+    process_id: int,
+    port: int,
+    restart_count: int = 0,
+    base: Mapping[str, str] | None = None,
+) -> dict[str, str]:
+    """The environment of process ``process_id``: ``base`` plus the launcher's variables.
+
+    See the module docstring for the variables. Device variables replace inherited
+    ones, since a launcher started from a process with its own device count (a
+    test run, a notebook) must still give each process ``K`` devices.
+
+    Args:
+        config: the launch configuration.
+        process_id: the process's index, ``0 <= process_id < config.nprocs``.
+        port: the coordinator's port on 127.0.0.1.
+        restart_count: how many times the group was restarted before this start.
+        base: the inherited environment (default: this process's ``os.environ``).
+
+    Returns:
+        A new dictionary.
+
+    Raises:
+        ValueError: ``process_id`` is out of range, or ``--gpus-per-proc`` asks for more
+            GPUs than ``CUDA_VISIBLE_DEVICES`` in ``base`` lists.
+
+    Example:
+        >>> from jaxdist.launch import LaunchConfig, child_environment
+        >>> config = LaunchConfig("train.py", nprocs=2, devices_per_proc=4)
+        >>> env = child_environment(config, 1, port=8476, base={"JAX_NUM_CPU_DEVICES": "8"})
+        >>> for key in sorted(env):
+        ...     print(key, env[key])
+        JAXDIST_COORDINATOR_ADDRESS 127.0.0.1:8476
+        JAXDIST_LOCAL_DEVICE_COUNT 4
+        JAXDIST_NUM_PROCESSES 2
+        JAXDIST_PROCESS_ID 1
+        JAXDIST_RESTART_COUNT 0
+        JAX_NUM_CPU_DEVICES 4
+        JAX_PLATFORMS cpu
+        PYTHONUNBUFFERED 1
+        >>> gpus = LaunchConfig("train.py", nprocs=2, gpus_per_proc=2)
+        >>> child_environment(gpus, 1, 8476, base={"CUDA_VISIBLE_DEVICES": "4,5,6,7"})[
+        ...     "CUDA_VISIBLE_DEVICES"]
+        '6,7'
+    """
+    if not 0 <= process_id < config.nprocs:
+        raise ValueError(
+            f"child_environment(process_id={process_id}): must be in 0..{config.nprocs - 1} "
+            f"for nprocs={config.nprocs}."
+        )
+    env = dict(os.environ if base is None else base)
+    k = config.local_device_count
+    env[ENV_COORDINATOR_ADDRESS] = f"{LOOPBACK}:{port}"
+    env[ENV_NUM_PROCESSES] = str(config.nprocs)
+    env[ENV_PROCESS_ID] = str(process_id)
+    env[ENV_LOCAL_DEVICE_COUNT] = str(k)
+    env[ENV_RESTART_COUNT] = str(restart_count)
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    if config.gpus_per_proc is None:
+        env["JAX_NUM_CPU_DEVICES"] = str(k)
+        env.setdefault("JAX_PLATFORMS", "cpu")
+        return env
+    listed = env.get("CUDA_VISIBLE_DEVICES", "").strip()
+    gpus = [g.strip() for g in listed.split(",") if g.strip()] if listed else None
+    needed = config.nprocs * k
+    if gpus is None:
+        gpus = [str(g) for g in range(needed)]
+    if len(gpus) < needed:
+        raise ValueError(
+            f"child_environment: --gpus-per-proc {k} x --nprocs {config.nprocs} needs {needed} "
+            f"GPUs but CUDA_VISIBLE_DEVICES={listed!r} lists {len(gpus)}; lower --nprocs or "
+            "--gpus-per-proc, or list more GPUs."
+        )
+    env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus[process_id * k : (process_id + 1) * k])
+    return env
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (the OS's pick for port 0)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((LOOPBACK, 0))
+        return int(s.getsockname()[1])
+
+
+def _port_in_use(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((LOOPBACK, port))
+        except OSError:
+            return True
+    return False
+
+
+def _describe(returncode: int) -> str:
+    if returncode >= 0:
+        return f"exited with code {returncode}"
+    try:
+        return f"was killed by signal {signal.Signals(-returncode).name}"
+    except ValueError:
+        return f"was killed by signal {-returncode}"
+
+
+def _exit_code(returncode: int) -> int:
+    """The launcher's exit code for a process's return code (negative: killed by a signal)."""
+    return returncode if returncode >= 0 else 128 - returncode
+
+
+def _processes(n: int) -> str:
+    return f"{n} process" if n == 1 else f"{n} processes"
+
+
+@dataclasses.dataclass
+class _Pipe:
+    """One process's stdout or stderr, and the part of a line read from it so far."""
+
+    pipe: IO[bytes]
+    sink: TextIO
+    prefix: bytes
+    pending: bytes = b""
+
+
+class _Output:
+    """Copies the processes' output to the launcher's streams, whole lines at a time.
+
+    Everything runs in the launcher's main thread (a selector, no reader threads), so
+    lines can never mix; a line longer than 64 KiB without a newline is cut.
+    """
+
+    def __init__(self, stdout: TextIO, stderr: TextIO) -> None:
+        self.stdout, self.stderr = stdout, stderr
+        self._broken: set[int] = set()  # ids of streams whose reader went away
+        self._selector = selectors.DefaultSelector()
+
+    def add(self, pipe: IO[bytes], sink: TextIO, prefix: bytes) -> None:
+        self._selector.register(pipe, selectors.EVENT_READ, _Pipe(pipe, sink, prefix))
+
+    def write(self, sink: TextIO, data: bytes) -> None:
+        if id(sink) in self._broken:
+            return
+        try:
+            sink.flush()
+            buffer: IO[bytes] | None = getattr(sink, "buffer", None)
+            if buffer is None:
+                sink.write(data.decode(errors="replace"))
+                sink.flush()
+            else:
+                buffer.write(data)
+                buffer.flush()
+        except (BrokenPipeError, ValueError):  # closed by the reader: keep supervising
+            self._broken.add(id(sink))
+
+    def message(self, text: str) -> None:
+        self.write(self.stderr, f"{_NAME}: {text}\n".encode())
+
+    def pump(self, timeout: float) -> None:
+        """Copies what the processes wrote, waiting up to ``timeout`` seconds for something."""
+        if not self._selector.get_map():
+            time.sleep(timeout)
+            return
+        for key, _ in self._selector.select(timeout):
+            p: _Pipe = key.data
+            chunk = os.read(key.fd, _MAX_LINE)
+            if not chunk:
+                self._close(p)
+                continue
+            data = p.pending + chunk
+            cut = data.rfind(b"\n") + 1 or (len(data) if len(data) >= _MAX_LINE else 0)
+            p.pending = data[cut:]
+            self._emit(p, data[:cut])
+
+    def drain(self, timeout: float) -> None:
+        """Copies output until every pipe is closed or ``timeout`` seconds passed; closes all."""
+        deadline = time.monotonic() + timeout
+        while self._selector.get_map() and time.monotonic() < deadline:
+            self.pump(_POLL_INTERVAL)
+        for key in list(self._selector.get_map().values()):
+            self._close(key.data)
+
+    def _emit(self, p: _Pipe, data: bytes) -> None:
+        if data:
+            lines = data.removesuffix(b"\n").split(b"\n")
+            self.write(p.sink, b"".join(p.prefix + line + b"\n" for line in lines))
+
+    def _close(self, p: _Pipe) -> None:
+        self._emit(p, p.pending)
+        self._selector.unregister(p.pipe)
+        p.pipe.close()
+
+
+class _SignalTrap:
+    """Records SIGINT/SIGTERM/SIGHUP for the main loop (possible only in the main thread)."""
+
+    def __init__(self) -> None:
+        self.pending: list[int] = []
+        self.received: list[int] = []
+
+    @contextlib.contextmanager
+    def installed(self) -> Iterator[_SignalTrap]:
+        previous: dict[int, Any] = {}
+        if threading.current_thread() is threading.main_thread():
+            for sig in _FORWARDED_SIGNALS:
+                previous[sig] = signal.signal(sig, self._handle)
+        try:
+            yield self
+        finally:
+            for signum, handler in previous.items():
+                signal.signal(signum, signal.SIG_DFL if handler is None else handler)
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        self.pending.append(signum)
+        self.received.append(signum)
+
+
+# Run as ``python -S -c _DEATHSIG <launcher pid> <program> <args...>``: asks the kernel to
+# SIGKILL this process when the launcher dies, then becomes the program (the request survives
+# exec). A trampoline rather than a ``preexec_fn``: Python code between fork and exec is unsafe
+# in a multithreaded launcher (one that imported jax, say), and CPython runs at-fork hooks for it.
+_DEATHSIG = (
+    "import ctypes,os,sys\n"
+    f"ctypes.CDLL(None,use_errno=True).prctl({_PR_SET_PDEATHSIG},{int(signal.SIGKILL)},0,0,0)\n"
+    "if os.getppid()!=int(sys.argv[1]):os._exit(137)\n"
+    "os.execv(sys.argv[2],sys.argv[2:])\n"
+)
+
+
+def _with_deathsig(command: list[str], parent: int) -> list[str]:
+    """``command`` run so that it gets SIGKILL when the launcher dies (Linux only)."""
+    if not sys.platform.startswith("linux"):
+        return command
+    return [command[0], "-S", "-c", _DEATHSIG, str(parent), *command]
+
+
+def _status(proc: subprocess.Popen[bytes]) -> int | None:
+    """The process's return code, or None while it runs.
+
+    Where possible the process is not reaped (``WNOWAIT``): as a zombie it keeps its
+    pid, so its process group id cannot be reused by an unrelated process while the
+    launcher may still signal that group.
+    """
+    if proc.returncode is not None or not hasattr(os, "waitid"):
+        return proc.poll()
+    try:
+        info = os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+    except ChildProcessError:
+        return proc.poll()
+    if info is None or info.si_pid == 0:
+        return None
+    return info.si_status if info.si_code == os.CLD_EXITED else -info.si_status
+
+
+def _signal_groups(pgids: Iterable[int], sig: int) -> None:
+    for pgid in pgids:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pgid, sig)
+
+
+def _live_groups(pgids: Iterable[int]) -> set[int] | None:
+    """Which of these process groups still have a member that is not a zombie (None: unknown)."""
+    if not os.path.isdir("/proc/self"):
+        return None
+    wanted, live = set(pgids), set()
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit():
+            try:
+                with open(f"/proc/{entry.name}/stat", "rb") as f:
+                    stat = f.read()
+            except OSError:  # gone meanwhile
+                continue
+            state, _, pgrp = stat[stat.rindex(b")") + 2 :].split()[:3]
+            if int(pgrp) in wanted and state not in (b"Z", b"X"):
+                live.add(int(pgrp))
+    return live
+
+
+class _StartError(RuntimeError):
+    """A process could not be started (the launcher exits with code 1)."""
+
+
+@dataclasses.dataclass
+class _Round:
+    """How one start of the group ended."""
+
+    failure: tuple[int, int] | None = None  # (process id, return code) of the first failure
+    others_stopped: int = 0  # processes still running at the first failure
+    signal: int | None = None  # the first signal the launcher got
+
+
+class _Job:
+    """Starts, watches and stops the group, restarting it after failures as configured."""
+
+    def __init__(self, config: LaunchConfig, output: _Output, trap: _SignalTrap) -> None:
+        self._config, self._output, self._trap = config, output, trap
+        self._parent = os.getpid()
+
+    def run(self) -> int:
+        config, say = self._config, self._output.message
+        restart = 0
+        while True:
+            port = config.coordinator_port or free_port()
+            if restart:
+                say(
+                    f"restarting all {_processes(config.nprocs)} (restart {restart} of "
+                    f"{config.max_restarts}, coordinator {LOOPBACK}:{port})."
+                )
+            result = self._run_round(
+                [child_environment(config, i, port, restart) for i in range(config.nprocs)]
+            )
+            if result.failure is None:
+                if result.signal is None:
+                    return 0
+                say(f"stopped after {signal.Signals(result.signal).name}.")
+                return 128 + result.signal
+            rank, returncode = result.failure
+            code = _exit_code(returncode)
+            others = result.others_stopped
+            stopped = f"stopped the other {_processes(others)}"
+            if not others:
+                stopped = "no other process was running"
+            say(f"process {rank} {_describe(returncode)} (first failure); {stopped}.")
+            if result.signal is not None or self._trap.received:
+                return code
+            if restart >= config.max_restarts:
+                if config.max_restarts:
+                    say(
+                        f"no restart left (--max-restarts {config.max_restarts}); exit code {code}."
+                    )
+                return code
+            restart += 1
+
+    def _start(self, env: dict[str, str]) -> subprocess.Popen[bytes]:
+        return subprocess.Popen(
+            _with_deathsig(self._config.command(), self._parent),
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            start_new_session=True,  # its own session and process group, led by its pid
+        )
+
+    def _run_round(self, envs: list[dict[str, str]]) -> _Round:
+        config, output, say = self._config, self._output, self._output.message
+        procs: list[subprocess.Popen[bytes]] = []
+        try:
+            for i, env in enumerate(envs):
+                proc = self._start(env)
+                procs.append(proc)
+                prefix = f"[{i}] ".encode() if config.prefix else b""
+                assert proc.stdout is not None and proc.stderr is not None
+                output.add(proc.stdout, output.stdout, prefix)
+                output.add(proc.stderr, output.stderr, prefix)
+        except OSError as exc:
+            self._finish(procs)
+            command = " ".join(config.command())
+            raise _StartError(f"could not start process {len(procs)} ({command}): {exc}") from exc
+        groups = [proc.pid for proc in procs]
+        result = _Round()
+        stop_at: float | None = None  # when the processes were asked to stop
+        killed = False
+        while True:
+            output.pump(_POLL_INTERVAL)
+            codes = [_status(proc) for proc in procs]
+            running = [i for i, code in enumerate(codes) if code is None]
+            while self._trap.pending:
+                sig = self._trap.pending.pop(0)
+                name = signal.Signals(sig).name
+                if result.signal is None and stop_at is None:
+                    result.signal, stop_at = sig, time.monotonic()
+                    _signal_groups(groups, sig)
+                    n = _processes(len(running))
+                    say(f"received {name}; forwarded it to {n} (send it again to kill them).")
+                elif not killed:
+                    again = "again" if result.signal else "while stopping them"
+                    result.signal, killed = result.signal or sig, True
+                    _signal_groups(groups, signal.SIGKILL)
+                    say(f"received {name} {again}; killed {_processes(len(running))}.")
+            failed = [i for i, code in enumerate(codes) if code not in (None, 0)]
+            if failed and stop_at is None:
+                result.failure = (failed[0], codes[failed[0]] or 0)
+                result.others_stopped, stop_at = len(running), time.monotonic()
+                _signal_groups(groups, signal.SIGTERM)
+            if not running:
+                break
+            if (
+                stop_at is not None
+                and not killed
+                and time.monotonic() >= stop_at + config.kill_timeout
+            ):
+                killed = True
+                _signal_groups(groups, signal.SIGKILL)
+                ids = ", ".join(map(str, running))
+                say(
+                    f"{_processes(len(running))} ({ids}) still running {config.kill_timeout:g} s "
+                    "after being asked to stop; sent SIGKILL."
+                )
+        self._finish(procs)
+        return result
+
+    def _finish(self, procs: list[subprocess.Popen[bytes]]) -> None:
+        """Stops what is left in the processes' groups, reaps the processes, copies the rest.
+
+        When every process has exited, helpers still running in their groups get
+        SIGTERM, then SIGKILL after ``kill_timeout`` (where liveness cannot be read
+        from /proc, after a short grace).
+        """
+        groups = [proc.pid for proc in procs]
+        _signal_groups([p.pid for p in procs if _status(p) is None], signal.SIGKILL)
+        live = _live_groups(groups)
+        if live is None or live:
+            _signal_groups(groups if live is None else live, signal.SIGTERM)
+            grace = self._config.kill_timeout if live else min(self._config.kill_timeout, 0.2)
+            deadline = time.monotonic() + grace
+            while time.monotonic() < deadline and (live is None or live):
+                self._output.pump(_POLL_INTERVAL)
+                live = None if live is None else _live_groups(live)
+            _signal_groups(groups if live is None else live, signal.SIGKILL)
+        for proc in procs:
+            proc.wait()
+        self._output.drain(_DRAIN_TIMEOUT)
+
+
+def launch(
+    config: LaunchConfig, *, stdout: TextIO | None = None, stderr: TextIO | None = None
+) -> int:
+    """Runs the job ``config`` describes and returns the launcher's exit code.
+
+    The Python form of ``python -m jaxdist.launch``; see the module docstring for
+    the processes' environment, output, failures, restarts and exit codes.
+    Forwarding SIGINT/SIGTERM/SIGHUP needs the main thread; called from another
+    thread, the processes are still stopped on failure and never outlive the call.
+
+    Args:
+        config: what to start.
+        stdout: where the processes' stdout goes (default: ``sys.stdout``).
+        stderr: where their stderr and the launcher's messages go (default: ``sys.stderr``).
+
+    Returns:
+        0 if every process succeeded, else the exit code the module docstring describes.
+
+    Raises:
+        FileNotFoundError: the script does not exist (nothing was started).
+        RuntimeError: a process could not be started.
+    """
+    if not config.module and not os.path.exists(config.program):
+        raise FileNotFoundError(
+            f"launch: the script {config.program!r} does not exist (relative to {os.getcwd()!r}); "
+            "pass an existing script path, or module=True (-m) to run a module."
+        )
+    output = _Output(stdout or sys.stdout, stderr or sys.stderr)
+    trap = _SignalTrap()
+    with trap.installed():
+        return _Job(config, output, trap).run()
+
+
+def _parser(prog: str) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog=prog,
+        allow_abbrev=False,
+        description="Start N local processes of a jaxdist program with the environment "
+        "MultiWorkerMirroredStrategy reads; stop them all when one fails.",
+        epilog="Exit code: 0 when every process succeeded; else the first failure's code "
+        "(128+signal if it was killed); 2 for bad arguments; 128+signal if the launcher was "
+        "interrupted.",
+    )
+    add = parser.add_argument
+    add("--nprocs", type=int, default=1, metavar="N", help="processes to start (default 1)")
+    devices = parser.add_mutually_exclusive_group()
+    devices.add_argument("--devices-per-proc", type=int, metavar="K",
+                         help="simulated CPU devices per process (default 1)")  # fmt: skip
+    devices.add_argument("--gpus-per-proc", type=int, metavar="K",
+                         help="GPUs per process, as CUDA_VISIBLE_DEVICES slices")  # fmt: skip
+    add(
+        "--max-restarts",
+        type=int,
+        default=0,
+        metavar="K",
+        help="group restarts after failures (default 0)",
+    )
+    add("--kill-timeout", type=float, default=DEFAULT_KILL_TIMEOUT, metavar="SECONDS",
+        help=f"grace between SIGTERM and SIGKILL (default {DEFAULT_KILL_TIMEOUT:g})")  # fmt: skip
+    add("--coordinator-port", "--master-port", type=int, metavar="PORT",
+        help="coordinator port on 127.0.0.1 (default: a free one)")  # fmt: skip
+    add("--no-prefix", action="store_true", help="do not prefix output lines with '[i] '")
+    add("-m", "--module", action="store_true", help="run the program as a module (python -m)")
+    add("program", help="the script to run (a module name with -m)")
+    add("args", nargs=argparse.REMAINDER, help="the program's arguments")
+    return parser
+
+
+def _program_args(argv: list[str], program: str, parsed: list[str]) -> list[str]:
+    """The arguments after ``program`` in ``argv``, exactly (argparse drops a ``--`` there)."""
+    for k, token in enumerate(argv):
+        rest = argv[k + 1 :]
+        if token == program and (rest == parsed or (rest[:1] == ["--"] and rest[1:] == parsed)):
+            return rest
+    return parsed
+
+
+def _parse(argv: list[str], prog: str) -> LaunchConfig:
+    parser = _parser(prog)
+    ns = parser.parse_args(argv)
+    try:
+        config = LaunchConfig(
+            program=ns.program,
+            args=tuple(_program_args(argv, ns.program, ns.args)),
+            module=ns.module,
+            nprocs=ns.nprocs,
+            devices_per_proc=ns.devices_per_proc,
+            gpus_per_proc=ns.gpus_per_proc,
+            max_restarts=ns.max_restarts,
+            kill_timeout=ns.kill_timeout,
+            coordinator_port=ns.coordinator_port,
+            prefix=not ns.no_prefix,
+        )
+        child_environment(config, 0, 1)  # e.g. too few GPUs listed: fail before starting
+    except ValueError as exc:
+        parser.error(str(exc))
+    if not config.module and not os.path.exists(config.program):
+        parser.error(
+            f"the script {config.program!r} does not exist (relative to {os.getcwd()!r}); "
+            "pass the path of a Python script, or -m MODULE to run a module"
+        )
+    if config.coordinator_port is not None and _port_in_use(config.coordinator_port):
+        parser.error(
+            f"argument --coordinator-port: {LOOPBACK}:{config.coordinator_port} is in use; "
+            "pick another port, or leave the option out to use a free one"
+        )
+    return config
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Runs the launcher's command line and returns its exit code (never raises ``SystemExit``).
+
+    ``python -m jaxdist.launch`` and a ``jaxdist-launch = "jaxdist.launch:main"``
+    console script both end with ``sys.exit(main())``.
+
+    Args:
+        argv: the arguments after the program name (default: ``sys.argv[1:]``).
+
+    Returns:
+        The exit code (see the module docstring): 2 after a usage message for bad arguments.
+
+    Example:
+        >>> from jaxdist.launch import main
+        >>> main(["--nprocs", "0", "train.py"])  # the usage message goes to stderr
+        2
+    """
+    args = list(sys.argv[1:] if argv is None else argv)
+    invoked = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else ""
+    prog = invoked if invoked.startswith("jaxdist-launch") else "python -m jaxdist.launch"
+    try:
+        config = _parse(args, prog)
+    except SystemExit as exc:  # argparse: usage errors (2) and --help (0)
+        return exc.code if isinstance(exc.code, int) else 2
+    try:
+        return launch(config)
+    except _StartError as exc:
+        _Output(sys.stdout, sys.stderr).message(f"{exc}.")
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

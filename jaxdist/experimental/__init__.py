@@ -1,6 +1,21 @@
 """Experimental names, as in ``tf.distribute.experimental``."""
 
+from jaxdist.communication import (
+    CollectiveHints,
+    CommunicationImplementation,
+    CommunicationOptions,
+)
 from jaxdist.input.options import AutoShardPolicy
+from jaxdist.strategies.central_storage import CentralStorageStrategy
+from jaxdist.strategies.multi_worker import MultiWorkerMirroredStrategy
 from jaxdist.values import ValueContext
 
-__all__ = ["AutoShardPolicy", "ValueContext"]
+__all__ = [
+    "AutoShardPolicy",
+    "CentralStorageStrategy",
+    "CollectiveHints",
+    "CommunicationImplementation",
+    "CommunicationOptions",
+    "MultiWorkerMirroredStrategy",
+    "ValueContext",
+]

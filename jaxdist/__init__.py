@@ -4,7 +4,7 @@ Only the names re-exported here (and the ``jaxdist.experimental`` module) are
 public; every other module is internal.
 """
 
-from jaxdist import checkpoint, cluster_resolver, data, experimental
+from jaxdist import checkpoint, cluster_resolver, data, experimental, training
 from jaxdist.cluster_resolver import initialize
 from jaxdist.context import (
     ReplicaContext,
@@ -31,9 +31,17 @@ from jaxdist.reduce import (
 )
 from jaxdist.strategies.central_storage import CentralStorageStrategy
 from jaxdist.strategies.mirrored import MirroredStrategy
+from jaxdist.strategies.multi_worker import MultiWorkerMirroredStrategy
 from jaxdist.strategies.one_device import OneDeviceStrategy
 from jaxdist.strategy import Strategy, StrategyExtended
-from jaxdist.training import TrainState, train_step
+from jaxdist.training import (
+    TrainState,
+    accumulate_gradients,
+    compute_average_loss,
+    fit,
+    scale_regularization_loss,
+    train_step,
+)
 from jaxdist.values import DistributedValues, Mirrored, PerReplica
 from jaxdist.variables import Variable, VariableAggregation, VariableSynchronization
 
@@ -51,6 +59,7 @@ __all__ = [
     "InputReplicationMode",
     "Mirrored",
     "MirroredStrategy",
+    "MultiWorkerMirroredStrategy",
     "NcclAllReduce",
     "OneDeviceStrategy",
     "PerReplica",
@@ -64,15 +73,20 @@ __all__ = [
     "Variable",
     "VariableAggregation",
     "VariableSynchronization",
+    "accumulate_gradients",
+    "compute_average_loss",
     "checkpoint",
     "cluster_resolver",
     "data",
     "experimental",
     "experimental_set_strategy",
+    "fit",
     "get_replica_context",
     "get_strategy",
     "has_strategy",
     "in_cross_replica_context",
     "initialize",
+    "scale_regularization_loss",
     "train_step",
+    "training",
 ]

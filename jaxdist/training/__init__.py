@@ -1,6 +1,37 @@
 """Training on top of strategies: train steps, functional state, losses, the fit loop."""
 
+from jaxdist.training.accumulate import accumulate_gradients
+from jaxdist.training.callbacks import (
+    Callback,
+    Checkpoint,
+    EarlyStopping,
+    FitLoop,
+    Restored,
+    restore_checkpoint,
+)
+from jaxdist.training.fit import FitInterrupted, History, fit
+from jaxdist.training.losses import compute_average_loss, scale_regularization_loss
+from jaxdist.training.mixed_precision import DynamicLossScale, all_finite, select_tree
 from jaxdist.training.state import TrainState
 from jaxdist.training.step import TrainStep, train_step
 
-__all__ = ["TrainState", "TrainStep", "train_step"]
+__all__ = [
+    "Callback",
+    "Checkpoint",
+    "DynamicLossScale",
+    "EarlyStopping",
+    "FitInterrupted",
+    "FitLoop",
+    "History",
+    "Restored",
+    "TrainState",
+    "TrainStep",
+    "accumulate_gradients",
+    "all_finite",
+    "compute_average_loss",
+    "fit",
+    "restore_checkpoint",
+    "scale_regularization_loss",
+    "select_tree",
+    "train_step",
+]

@@ -1,0 +1,614 @@
+"""Callbacks for `jaxdist.fit`: the hook protocol, checkpoints and early stopping.
+
+A callback subclasses `Callback` and overrides the hooks it needs. `fit`
+hands every callback the running `FitLoop` (``callback.loop``) before the
+first hook: the training state, the position (epoch, global step) and a
+``stop_training`` switch.
+
+`Checkpoint` saves the state with orbax-checkpoint (``pip install
+'jaxdist[checkpoint]'``): NNX objects as their ``nnx.state``, functional
+states (a `TrainState`, any pytree of arrays) as they are, every array as a
+host copy. orbax writes each checkpoint into a temporary directory and
+renames it when complete, so a checkpoint on disk is always whole; an
+interrupted write leaves only a temporary directory that restoring ignores.
+`restore_checkpoint` puts a checkpoint back: NNX objects in place, functional
+states returned. `EarlyStopping` stops when a monitored metric stops
+improving and can put the best state back.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Mapping, Sequence
+from typing import Any, Literal
+
+import jax
+import numpy as np
+
+from jaxdist import _dispatch
+from jaxdist.checkpoint import from_saveable, to_saveable
+from jaxdist.training._nnx import is_nnx_node, nnx_module
+from jaxdist.values import DistributedValues
+from jaxdist.variables import Variable
+
+__all__ = [
+    "Callback",
+    "Checkpoint",
+    "EarlyStopping",
+    "FitLoop",
+    "Restored",
+    "restore_checkpoint",
+]
+
+
+class FitLoop:
+    """What callbacks see of a running `jaxdist.fit`.
+
+    Attributes:
+        strategy: the strategy the steps run on.
+        state: the state arguments as they are now: NNX objects (updated in
+            place) and the latest value of each functional state.
+        functional: for each state argument, whether it is functional
+            (returned by the step) rather than an NNX object.
+        epoch: the current epoch (0-based, counted from ``initial_epoch``).
+        step: optimizer steps completed, counted from ``initial_step``.
+        epochs: the epoch to train up to, or None when only ``steps`` bounds it.
+        steps: the global step to train up to, or None.
+        at_epoch_end: whether the epoch's data has run out: in ``on_step_end``,
+            that step used the epoch's last batch; in ``on_epoch_end``, the
+            epoch was complete (not cut short by ``steps``, ``stop_training``
+            or Ctrl-C).
+        stop_training: set it to True to stop after the current step (the
+            epoch then ends as usual: evaluation and ``on_epoch_end`` run).
+        interrupted: True once Ctrl-C stopped the loop.
+    """
+
+    def __init__(
+        self,
+        strategy: Any,
+        state: tuple[Any, ...],
+        functional: tuple[bool, ...],
+        *,
+        epoch: int = 0,
+        step: int = 0,
+        epochs: int | None = None,
+        steps: int | None = None,
+    ) -> None:
+        self.strategy = strategy
+        self.state = state
+        self.functional = functional
+        self.epoch = epoch
+        self.step = step
+        self.epochs = epochs
+        self.steps = steps
+        self.at_epoch_end = False
+        self.stop_training = False
+        self.interrupted = False
+
+    def __repr__(self) -> str:
+        return f"FitLoop(epoch={self.epoch}, step={self.step}, stop_training={self.stop_training})"
+
+
+class Callback:
+    """Base class of `jaxdist.fit` callbacks: every hook does nothing until overridden.
+
+    ``logs`` are dicts of metric name to float: the step's own metrics in
+    `on_step_end`, the epoch's averages (and ``val_`` metrics) in `on_epoch_end`
+    and `on_train_end`. ``self.loop`` is the running `FitLoop`.
+
+    `on_train_end` runs when training ends with a consistent state: after the
+    last epoch, after ``stop_training``, and after Ctrl-C (with
+    ``loop.interrupted`` set). `close` runs last in every case, errors
+    included; release resources there.
+
+    Example:
+        >>> import jaxdist as jd
+        >>> class StopAtStep(jd.training.Callback):
+        ...     def __init__(self, last):
+        ...         self.last = last
+        ...     def on_step_end(self, step, logs):
+        ...         if step >= self.last:
+        ...             self.loop.stop_training = True
+        >>> StopAtStep(3).last
+        3
+    """
+
+    loop: FitLoop
+
+    def set_loop(self, loop: FitLoop) -> None:
+        """Called by `fit` before `on_train_begin`."""
+        self.loop = loop
+
+    def on_train_begin(self, logs: dict[str, float]) -> None:
+        """Before the first step."""
+
+    def on_epoch_begin(self, epoch: int, logs: dict[str, float]) -> None:
+        """Before the first step of ``epoch``."""
+
+    def on_step_end(self, step: int, logs: Mapping[str, float]) -> None:
+        """After optimizer step ``step`` (1-based global count) and its state write-back."""
+
+    def on_epoch_end(self, epoch: int, logs: dict[str, float]) -> None:
+        """After ``epoch``'s last step and its evaluation."""
+
+    def on_train_end(self, logs: dict[str, float]) -> None:
+        """After the last step (also after Ctrl-C, not after an error)."""
+
+    def close(self) -> None:
+        """Releases resources; called once at the end of `fit` in every case."""
+
+
+# Host copies of the state ---------------------------------------------------------------
+
+
+def _key_name(entry: Any) -> str:
+    for attr in ("key", "name", "idx"):
+        if hasattr(entry, attr):
+            return str(getattr(entry, attr))
+    return str(entry)
+
+
+def _is_leaf(x: Any) -> bool:
+    return isinstance(x, (Variable, DistributedValues))
+
+
+def _is_key(x: Any) -> bool:
+    dtype = getattr(x, "dtype", None)
+    return dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
+
+
+def host_array(x: Any) -> np.ndarray:
+    """``x`` as a NumPy array; an array split across processes is all-gathered first."""
+    if isinstance(x, jax.Array) and not x.is_fully_addressable and not x.is_fully_replicated:
+        from jax.experimental import multihost_utils
+
+        return np.asarray(_dispatch.gated(lambda: multihost_utils.process_allgather(x)))
+    return np.asarray(x)
+
+
+def _tree_of(arg: Any) -> Any:
+    if is_nnx_node(arg):
+        nnx = nnx_module()
+        assert nnx is not None
+        return nnx.state(arg)
+    return arg
+
+
+def _named_leaves(state: tuple[Any, ...]) -> list[tuple[tuple[str, ...], Any]]:
+    """Every array of the state arguments with its name path (``("0", "conv", "kernel")``)."""
+    out = []
+    for i, arg in enumerate(state):
+        nnx_arg = is_nnx_node(arg)
+        for path, leaf in jax.tree_util.tree_flatten_with_path(_tree_of(arg), is_leaf=_is_leaf)[0]:
+            names = [_key_name(k) for k in path]
+            if nnx_arg and names and names[-1] == "value":  # an nnx.Variable's payload
+                names.pop()
+            out.append(((str(i), *names), leaf))
+    return out
+
+
+def _host_leaf(leaf: Any) -> np.ndarray:
+    if _is_leaf(leaf):
+        return np.asarray(to_saveable(leaf))
+    if _is_key(leaf):
+        return host_array(jax.random.key_data(leaf))
+    return host_array(leaf)
+
+
+def host_state(state: tuple[Any, ...]) -> dict[str, Any]:
+    """A nested dict of host NumPy copies of the state arguments' arrays (private helper)."""
+    tree: dict[str, Any] = {}
+    for names, leaf in _named_leaves(state):
+        node = tree
+        for name in names[:-1]:
+            node = node.setdefault(name, {})
+        node[names[-1]] = _host_leaf(leaf)
+    return tree
+
+
+def _lookup(tree: Mapping[str, Any], names: tuple[str, ...]) -> Any:
+    node: Any = tree
+    for name in names:
+        if not isinstance(node, Mapping) or name not in node:
+            return None
+        node = node[name]
+    return node
+
+
+def _placed(saved: np.ndarray, template: Any, where: str, name: str) -> Any:
+    """A saved host array put where ``template`` lives, with its dtype."""
+    if _is_leaf(template):
+        return from_saveable(saved, template)
+    if _is_key(template):
+        data = jax.random.key_data(template)
+        if saved.shape != data.shape:
+            raise ValueError(
+                f"{where}: the saved random key {name} has key data of shape {saved.shape}, "
+                f"but the state's key has {data.shape}."
+            )
+        return jax.random.wrap_key_data(_put(saved, template), impl=jax.random.key_impl(template))
+    shape = tuple(np.shape(template))
+    if tuple(saved.shape) != shape:
+        raise ValueError(
+            f"{where}: the saved array {name} has shape {tuple(saved.shape)}, but the state's "
+            f"has {shape}. Restore into a state built like the one that was saved (same "
+            "model, optimizer and sizes)."
+        )
+    if isinstance(template, jax.Array):
+        return _put(np.asarray(saved, dtype=template.dtype), template)
+    return np.asarray(saved, dtype=np.asarray(template).dtype)
+
+
+def _put(saved: np.ndarray, template: Any) -> jax.Array:
+    """``saved`` on the template's devices; uncommitted like the template when it is (so a
+    train step can still place it on its strategy's devices)."""
+    if template.committed:
+        return jax.device_put(saved, template.sharding)
+    return jax.device_put(saved)
+
+
+def load_state(saved: Mapping[str, Any], state: tuple[Any, ...], where: str) -> tuple[Any, ...]:
+    """Puts a `host_state` tree back: NNX objects updated in place, functional states
+    rebuilt; returns the state arguments with the functional ones replaced (private)."""
+    named = _named_leaves(state)
+    missing = [".".join(n) for n, _ in named if _lookup(saved, n) is None]
+    if missing:
+        raise ValueError(
+            f"{where}: the checkpoint has no array for {missing[:3]}"
+            f"{' and more' if len(missing) > 3 else ''} of the state given to restore into; "
+            f"it holds {sorted(saved)} at the top (one entry per state argument). Pass the "
+            "same state arguments, in the same order, as were given to fit."
+        )
+    values = iter(
+        _placed(np.asarray(_lookup(saved, n)), leaf, where, ".".join(n)) for n, leaf in named
+    )
+    out = []
+    for arg in state:
+        tree = _tree_of(arg)
+        leaves, treedef = jax.tree.flatten(tree, is_leaf=_is_leaf)
+        new = jax.tree.unflatten(treedef, [next(values) for _ in leaves])
+        if is_nnx_node(arg):
+            nnx = nnx_module()
+            assert nnx is not None
+            nnx.update(arg, new)
+            out.append(arg)
+        else:
+            out.append(new)
+    return tuple(out)
+
+
+# Checkpoints ------------------------------------------------------------------------------
+
+
+def _orbax(where: str) -> Any:
+    try:
+        import orbax.checkpoint as ocp
+    except ImportError as e:  # pragma: no cover - exercised only without the extra
+        raise ImportError(
+            f"{where} needs orbax-checkpoint: pip install 'jaxdist[checkpoint]'."
+        ) from e
+    return ocp
+
+
+def _manager(directory: str, keep: int | None, async_write: bool, create: bool) -> Any:
+    ocp = _orbax("jaxdist.training.Checkpoint")
+    options = ocp.CheckpointManagerOptions(
+        max_to_keep=keep, create=create, enable_async_checkpointing=async_write
+    )
+    return ocp.CheckpointManager(directory, options=options)
+
+
+@dataclasses.dataclass(frozen=True)
+class Restored:
+    """What `restore_checkpoint` returns.
+
+    Attributes:
+        state: the functional state(s) read back: the value itself when one
+            state argument is functional, a tuple of them (in argument order)
+            when several are, None when every argument is an NNX object
+            (restored in place).
+        step: the global step the checkpoint was written at (``initial_step``
+            for a resumed `fit`).
+        epoch: the epochs whose batches were all trained when it was written
+            (``initial_epoch`` for a resumed `fit`).
+    """
+
+    state: Any
+    step: int
+    epoch: int
+
+
+def functional_result(state: tuple[Any, ...], functional: Sequence[bool]) -> Any:
+    """The functional entries of ``state``: one value, a tuple, or None (private helper)."""
+    picked = tuple(s for s, f in zip(state, functional, strict=True) if f)
+    if not picked:
+        return None
+    return picked[0] if len(picked) == 1 else picked
+
+
+def restore_checkpoint(
+    directory: str | os.PathLike[str], *state: Any, step: int | None = None
+) -> Restored:
+    """Restores a checkpoint written by `Checkpoint` into ``state``.
+
+    NNX objects among ``state`` are updated in place (their variables get the
+    saved values, placed where the current values are); functional states
+    (a `TrainState`, a pytree of arrays) serve as templates for structure,
+    dtype and placement, and the restored values are returned.
+
+    Args:
+        directory: the directory given to `Checkpoint`.
+        *state: the state arguments, as given to `fit` (same order).
+        step: the checkpoint to read; the latest complete one by default.
+
+    Returns:
+        A `Restored` with the functional state(s), the step and the epoch;
+        resume with ``fit(..., initial_step=r.step, initial_epoch=r.epoch)``.
+
+    Example:
+        >>> import tempfile, jax.numpy as jnp, optax, jaxdist as jd
+        >>> state = {"w": jnp.arange(3.0)}
+        >>> loop = jd.training.FitLoop(jd.get_strategy(), (state,), (True,), step=5)
+        >>> ckpt = jd.training.Checkpoint(tempfile.mkdtemp() + "/ckpt")
+        >>> ckpt.set_loop(loop)
+        >>> ckpt.save()
+        >>> ckpt.close()
+        >>> r = jd.training.restore_checkpoint(ckpt.directory, {"w": jnp.zeros(3)})
+        >>> r.step, r.state["w"].tolist()
+        (5, [0.0, 1.0, 2.0])
+    """
+    where = "jaxdist.training.restore_checkpoint"
+    if not state:
+        raise TypeError(
+            f"{where}: give the state to restore into after the directory, as given to fit: "
+            "restore_checkpoint(directory, model, optimizer) or restore_checkpoint(directory, "
+            "train_state)."
+        )
+    path = os.path.abspath(directory)
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"{where}: no checkpoint directory {path}.")
+    ocp = _orbax(where)
+    manager = _manager(path, None, async_write=False, create=False)
+    try:
+        steps = manager.all_steps()
+        if not steps:
+            raise FileNotFoundError(
+                f"{where}: {path} holds no complete checkpoint (temporary directories of "
+                "unfinished writes are ignored)."
+            )
+        if step is None:
+            step = max(steps)
+        elif step not in steps:
+            raise FileNotFoundError(
+                f"{where}: {path} has no checkpoint at step {step}; it has steps {sorted(steps)}."
+            )
+        read = manager.restore(
+            step,
+            args=ocp.args.Composite(state=ocp.args.StandardRestore(), meta=ocp.args.JsonRestore()),
+        )
+    finally:
+        manager.close()
+    functional = tuple(not is_nnx_node(s) for s in state)
+    restored = load_state(read["state"], tuple(state), where)
+    meta = read["meta"]
+    return Restored(functional_result(restored, functional), int(meta["step"]), int(meta["epoch"]))
+
+
+class Checkpoint(Callback):
+    """Saves the training state every few steps and/or every epoch, keeping the last few.
+
+    Checkpoints are numbered by global step (directory ``<directory>/<step>``)
+    and written with orbax-checkpoint: each goes to a temporary directory
+    that is renamed when complete, so what is on disk is always whole. With
+    ``async_write`` the files are written in the background while training
+    goes on (the arrays are copied to the host first, so later steps cannot
+    change them); `fit` waits for the last write before it returns, also
+    after Ctrl-C.
+
+    Args:
+        directory: where to write; created if missing. It must not hold
+            checkpoints past the step training starts from (resume with
+            `restore_checkpoint` and ``fit(initial_step=...)``).
+        every_n_steps: also save after every ``every_n_steps``-th global step.
+        every_epoch: save at the end of every epoch.
+        keep: how many checkpoints to keep (the newest); None keeps all.
+        async_write: write in a background thread.
+
+    Example:
+        >>> import jaxdist as jd
+        >>> jd.training.Checkpoint("/tmp/run1", every_n_steps=100, keep=2).keep
+        2
+    """
+
+    def __init__(
+        self,
+        directory: str | os.PathLike[str],
+        *,
+        every_n_steps: int | None = None,
+        every_epoch: bool = True,
+        keep: int | None = 3,
+        async_write: bool = True,
+    ) -> None:
+        where = "jaxdist.training.Checkpoint"
+        if every_n_steps is not None and (
+            isinstance(every_n_steps, bool)
+            or not isinstance(every_n_steps, int)
+            or every_n_steps < 1
+        ):
+            raise ValueError(f"{where}: every_n_steps must be an int >= 1, got {every_n_steps!r}.")
+        if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
+            raise ValueError(f"{where}: keep must be an int >= 1 or None, got {keep!r}.")
+        self.directory = os.path.abspath(directory)
+        self.every_n_steps = every_n_steps
+        self.every_epoch = every_epoch
+        self.keep = keep
+        self.async_write = async_write
+        self._manager: Any = None
+        self._last_saved: int | None = None
+
+    def on_train_begin(self, logs: dict[str, float]) -> None:
+        self._open()
+        later = [s for s in self._manager.all_steps() if s > self.loop.step]
+        if later:
+            raise ValueError(
+                f"jaxdist.training.Checkpoint: {self.directory} already holds checkpoints at "
+                f"steps {sorted(later)}, past step {self.loop.step} where this training "
+                "starts; they would be mixed with this run's. To resume, restore with "
+                "jd.training.restore_checkpoint(directory, *state) and pass "
+                "initial_step=restored.step to fit; otherwise use a new directory."
+            )
+
+    def on_step_end(self, step: int, logs: Mapping[str, float]) -> None:
+        due = self.every_n_steps is not None and step % self.every_n_steps == 0
+        if due and not (self.every_epoch and self.loop.at_epoch_end):  # else saved at its end
+            self.save()
+
+    def on_epoch_end(self, epoch: int, logs: dict[str, float]) -> None:
+        if self.every_epoch:
+            self.save()
+
+    def on_train_end(self, logs: dict[str, float]) -> None:
+        self.close()
+
+    def _open(self) -> None:
+        if self._manager is None:
+            self._manager = _manager(self.directory, self.keep, self.async_write, create=True)
+
+    def save(self) -> None:
+        """Writes the loop's current state now, as checkpoint ``loop.step``."""
+        loop = self.loop
+        if self._last_saved == loop.step:
+            return
+        self._open()
+        ocp = _orbax("jaxdist.training.Checkpoint")
+        epoch = loop.epoch + 1 if loop.at_epoch_end else loop.epoch
+        meta = {"step": loop.step, "epoch": epoch}
+        saved = self._manager.save(
+            loop.step,
+            args=ocp.args.Composite(
+                state=ocp.args.StandardSave(host_state(loop.state)),
+                meta=ocp.args.JsonSave(meta),
+            ),
+        )
+        if not saved:
+            raise RuntimeError(
+                f"jaxdist.training.Checkpoint: orbax did not write step {loop.step} to "
+                f"{self.directory} (a checkpoint of that step exists already)."
+            )
+        self._last_saved = loop.step
+
+    def all_steps(self) -> list[int]:
+        """The steps of the complete checkpoints in the directory, ascending."""
+        self._open()
+        return sorted(self._manager.all_steps())
+
+    def close(self) -> None:
+        """Waits for the write in progress and closes the orbax manager."""
+        if self._manager is not None:
+            self._manager.wait_until_finished()
+            self._manager.close()
+            self._manager = None
+
+
+# Early stopping ---------------------------------------------------------------------------
+
+
+class EarlyStopping(Callback):
+    """Stops training when a metric has not improved for ``patience`` epochs.
+
+    After each epoch the monitored metric is compared with the best so far:
+    it improves when it is lower by more than ``min_delta`` (``mode="min"``)
+    or higher by more than ``min_delta`` (``mode="max"``). After ``patience``
+    epochs in a row without improvement, training stops (with ``patience=0``
+    at the first one). With ``restore_best`` the state of the best epoch is
+    kept (a host copy) and put back when training stops: NNX objects in place,
+    functional states in what `fit` returns. After Ctrl-C nothing is put back.
+
+    Args:
+        monitor: the metric to watch, as named in the epoch logs (``"loss"``,
+            ``"val_loss"``, ``"val_accuracy"``, ...).
+        patience: epochs without improvement to allow before stopping.
+        mode: ``"min"`` when lower is better, ``"max"`` when higher is.
+        min_delta: the smallest change that counts as an improvement.
+        restore_best: put the best epoch's state back at the end.
+
+    Attributes:
+        best: the best value seen; ``best_epoch`` its epoch; ``stopped_epoch``
+            the epoch after which training stopped (None if it did not).
+
+    Example:
+        >>> import jaxdist as jd
+        >>> stop = jd.training.EarlyStopping("val_accuracy", patience=2, mode="max")
+        >>> stop.monitor, stop.patience
+        ('val_accuracy', 2)
+    """
+
+    def __init__(
+        self,
+        monitor: str = "val_loss",
+        *,
+        patience: int = 0,
+        mode: Literal["min", "max"] = "min",
+        min_delta: float = 0.0,
+        restore_best: bool = False,
+    ) -> None:
+        where = "jaxdist.training.EarlyStopping"
+        if mode not in ("min", "max"):
+            raise ValueError(
+                f"{where}: mode must be 'min' (lower is better, e.g. a loss) or 'max' (higher "
+                f"is better, e.g. an accuracy), got {mode!r}."
+            )
+        if isinstance(patience, bool) or not isinstance(patience, int) or patience < 0:
+            raise ValueError(f"{where}: patience must be an int >= 0, got {patience!r}.")
+        if min_delta < 0:
+            raise ValueError(f"{where}: min_delta must be >= 0, got {min_delta!r}.")
+        self.monitor = monitor
+        self.patience = patience
+        self.mode = mode
+        self.min_delta = float(min_delta)
+        self.restore_best = restore_best
+        self.best: float | None = None
+        self.best_epoch: int | None = None
+        self.stopped_epoch: int | None = None
+        self._wait = 0
+        self._best_state: dict[str, Any] | None = None
+
+    def on_train_begin(self, logs: dict[str, float]) -> None:
+        self.best = self.best_epoch = self.stopped_epoch = None
+        self._wait = 0
+        self._best_state = None
+
+    def _improved(self, value: float) -> bool:
+        if self.best is None:
+            return True
+        if self.mode == "min":
+            return value < self.best - self.min_delta
+        return value > self.best + self.min_delta
+
+    def on_epoch_end(self, epoch: int, logs: dict[str, float]) -> None:
+        if self.monitor not in logs:
+            hint = (
+                " Validation metrics (val_...) need eval_step and eval_data in fit."
+                if self.monitor.startswith("val_")
+                else ""
+            )
+            raise KeyError(
+                f"jaxdist.training.EarlyStopping: monitor={self.monitor!r} is not among the "
+                f"epoch's metrics {sorted(logs)}.{hint}"
+            )
+        value = float(logs[self.monitor])
+        if self._improved(value):
+            self.best, self.best_epoch, self._wait = value, epoch, 0
+            if self.restore_best:
+                self._best_state = host_state(self.loop.state)
+            return
+        self._wait += 1
+        if self._wait >= max(self.patience, 1):
+            self.stopped_epoch = epoch
+            self.loop.stop_training = True
+
+    def on_train_end(self, logs: dict[str, float]) -> None:
+        loop = self.loop
+        if self.restore_best and self._best_state is not None and not loop.interrupted:
+            loop.state = load_state(self._best_state, loop.state, "jaxdist.training.EarlyStopping")

@@ -18,7 +18,7 @@ test: $(STAMP)
 	$(PY) -m pytest -q
 
 demo: $(STAMP)
-	$(PY) -m jaxdist.examples.train_mlp
+	$(PY) -m jaxdist.examples.digits
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check jaxdist tests benchmarks conftest.py

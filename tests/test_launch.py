@@ -365,6 +365,20 @@ def test_python_dash_m_entry_point() -> None:
     assert sorted(re.findall(r"^\[(\d)\] READY", good.stdout, re.M)) == ["0", "1"]
 
 
+def test_console_script() -> None:
+    """``jaxdist-launch``, installed by the package, is the same launcher."""
+    script = Path(sys.executable).parent / "jaxdist-launch"
+    assert script.exists(), "reinstall the package (pip install -e .) to get the console script"
+    run = subprocess.run(
+        [str(script), "--nprocs", "2", "--devices-per-proc", "2", str(CHILD)],
+        capture_output=True, text=True, cwd=ROOT, timeout=60,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    assert sorted(re.findall(r"^\[(\d)\] READY", run.stdout, re.M)) == ["0", "1"]
+    bad = subprocess.run([str(script)], capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "usage: jaxdist-launch" in bad.stderr, bad.stderr
+
+
 # -- running jobs --------------------------------------------------------------------------
 
 

@@ -27,7 +27,7 @@ from jaxdist._compile import describe_bad_leaf
 from jaxdist._cross_replica import gather_leaf, reduce_distributed, reduce_leaf
 from jaxdist._jax_compat import is_tracer
 from jaxdist._programs import LoweredStep, Program, program_for
-from jaxdist.context import check_cross_replica, current_state, strategy_scope
+from jaxdist.context import _STATE, check_cross_replica, current_state, strategy_scope
 from jaxdist.extended import StrategyExtended
 from jaxdist.options import RunOptions
 from jaxdist.reduce import CrossDeviceOps, NcclAllReduce, ReduceOp
@@ -253,7 +253,13 @@ class Strategy:
             and type(args) is tuple
             and kwargs is None
         ):
-            return self._dispatch(last[1], args, {})  # the same function again: fast path
+            program = last[1]  # the same function again: the fast path
+            if not self._gate and not self._parameter_placed and _STATE.get().replica is None:
+                try:
+                    return program.jitted(args, {})
+                except (TypeError, ValueError) as e:
+                    return self._recover(program, args, {}, e)
+            return self._dispatch(program, args, {})
         if not callable(fn):
             raise TypeError(
                 f"{self._name('run')}: fn must be callable, got {type(fn).__name__} "
@@ -308,18 +314,24 @@ class Strategy:
     def _call(self, program: Program, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         try:
             return program(args, kwargs)
-        except TypeError as e:
+        except (TypeError, ValueError) as e:
+            return self._recover(program, args, kwargs, e)
+
+    def _recover(
+        self, program: Program, args: tuple[Any, ...], kwargs: dict[str, Any], error: Exception
+    ) -> Any:
+        """After a failed call: a better error, or the call again with arguments placed."""
+        if isinstance(error, TypeError):
             better = describe_bad_leaf(self, args, kwargs)
             if better is not None:
-                raise better from e
-            raise
-        except ValueError as e:
-            if "incompatible devices" not in str(e):
-                raise
-            # Some argument is committed to devices outside this strategy's mesh (for
-            # example one replica's local result): place it on the mesh and retry.
-            args, kwargs = _onto_mesh(self, (args, kwargs))
-            return program(args, kwargs)
+                raise better from error
+            raise error
+        if "incompatible devices" not in str(error):
+            raise error
+        # Some argument is committed to devices outside this strategy's mesh (for
+        # example one replica's local result): place it on the mesh and retry.
+        args, kwargs = _onto_mesh(self, (args, kwargs))
+        return program(args, kwargs)
 
     def _nested_run_error(self, merging: bool) -> RuntimeError:
         name = type(self).__name__
@@ -370,10 +382,17 @@ class Strategy:
                 f"{type(options).__name__}."
             )
         program = Program(_strong(fn), self, options, plain=False)
-        dispatch = self._dispatch
+        dispatch, recover, jitted = self._dispatch, self._recover, program.jitted
+        direct = not self._gate and not self._parameter_placed
+        state = _STATE.get
 
         @functools.wraps(fn)
         def replicated(*args: Any, **kwargs: Any) -> Any:
+            if direct and state().replica is None:  # `_dispatch` with nothing to do around it
+                try:
+                    return jitted(args, kwargs)
+                except (TypeError, ValueError) as e:
+                    return recover(program, args, kwargs, e)
             return dispatch(program, args, kwargs)
 
         def lower(*args: Any, **kwargs: Any) -> LoweredStep:

@@ -259,7 +259,9 @@ class ReplicaContext:
     def all_reduce(self, reduce_op: ReduceOp | str, value: Any, options: Any = None) -> Any:
         """Reduces every leaf of ``value`` across replicas; the result is the same on each.
 
-        The collectives used are those of the strategy's `CrossDeviceOps`.
+        The collectives used are those of the strategy's `CrossDeviceOps`;
+        ``options`` (a `jaxdist.experimental.CommunicationOptions`) override its
+        defaults for this call (``bytes_per_pack`` packs small leaves together).
 
         Example:
             >>> import jaxdist as jd
@@ -272,7 +274,7 @@ class ReplicaContext:
         if not self._bound:
             return value
         axis: Any = self.axis_name  # a mesh axis name or a tuple of them
-        return self.strategy.cross_device_ops.all_reduce(op, value, axis)
+        return self.strategy.cross_device_ops.all_reduce(op, value, axis, options)
 
     def all_gather(self, value: Any, axis: int, options: Any = None) -> Any:
         """Concatenates every replica's ``value`` along ``axis`` (tiled), on every replica."""

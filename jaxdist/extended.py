@@ -258,6 +258,16 @@ class StrategyExtended:
         param = self._strategy.parameter_device
         return (param,) if param is not None else self.worker_devices
 
+    @property
+    def experimental_require_static_shapes(self) -> bool:
+        """True: every jaxdist program is compiled for static shapes.
+
+        In TF only TPU strategies require them; in JAX every strategy does (XLA
+        compiles one program per shape). A dataset's partial last batch is
+        therefore padded to the full batch shape and masked, never reshaped.
+        """
+        return True
+
     def variable_created_in_scope(self, v: Any) -> bool:
         """True if ``v`` is a `Variable` created inside this strategy's ``scope()``."""
         return isinstance(v, Variable) and v._meta.created_in_scope and v.strategy == self._strategy

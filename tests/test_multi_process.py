@@ -158,4 +158,7 @@ def test_a_dead_process_stops_the_others(tmp_path: Path) -> None:
                 p.kill()
                 p.wait()
     assert procs[0].returncode != 0
-    assert "another task died" in log0 or "unhealthy" in log0, log0[-3000:]
+    # Either the collective fails (the peer's socket closed: the error is raised and ends the
+    # process at once) or the coordination service's heartbeat declares the peer dead.
+    reasons = ("another task died", "unhealthy", "Connection reset by peer", "Gloo all-reduce")
+    assert any(r in log0 for r in reasons), log0[-3000:]

@@ -21,13 +21,23 @@ dies the others stop at once. JAX's own default, 100 s, would leave such a
 job hanging for minutes. ``shutdown_timeout_seconds`` bounds the wait for the
 other processes at exit (JAX's default: a chief still writing a checkpoint
 must not make the workers fail).
+
+An uncaught exception in a process of a multi-process job ends that process
+at once (exit code 1, after the traceback) instead of in the shutdown barrier
+at exit, where it would wait for peers blocked in a collective that waits for
+it; the launcher (or the heartbeat) then stops the others. Set
+``JAXDIST_EXIT_ON_ERROR=0`` to keep Python's normal exit. ``sys.exit(code)``
+is a normal exit and goes through the barrier: to fail a multi-process job
+from code, raise an exception.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import inspect
 import os
+import sys
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -51,6 +61,7 @@ __all__ = [
 
 ENV_INITIALIZATION_TIMEOUT = "JAXDIST_INITIALIZATION_TIMEOUT"
 ENV_HEARTBEAT_TIMEOUT = "JAXDIST_HEARTBEAT_TIMEOUT"
+ENV_EXIT_ON_ERROR = "JAXDIST_EXIT_ON_ERROR"
 ENV_SHUTDOWN_TIMEOUT = "JAXDIST_SHUTDOWN_TIMEOUT"
 DEFAULT_INITIALIZATION_TIMEOUT = 300
 DEFAULT_HEARTBEAT_TIMEOUT = 20
@@ -248,7 +259,30 @@ def initialize(
         call = {**kwargs, **timeouts, "cluster_detection_method": "deactivate"}
         _distributed_initialize(**_supported(jax.distributed.initialize, call))
         _started = _Started(cluster, source, ours=True)
+        if os.environ.get(ENV_EXIT_ON_ERROR, "1") != "0":
+            _exit_on_uncaught_exception()
     return resolver
+
+
+def _exit_on_uncaught_exception() -> None:
+    """Makes an uncaught exception end this process at once, after its traceback.
+
+    Otherwise the interpreter's exit runs `jax.distributed`'s shutdown, a barrier
+    that waits (up to ``shutdown_timeout_seconds``) for the other processes,
+    which may themselves be blocked in a collective waiting for this one: the
+    whole job would hang for minutes instead of failing. Exit code 1 (130 for
+    KeyboardInterrupt), as Python's own.
+    """
+    previous = sys.excepthook
+
+    def hook(exc_type: type[BaseException], exc: BaseException, tb: Any) -> None:
+        previous(exc_type, exc, tb)
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):
+                stream.flush()
+        os._exit(130 if issubclass(exc_type, KeyboardInterrupt) else 1)
+
+    sys.excepthook = hook
 
 
 def is_initialized() -> bool:

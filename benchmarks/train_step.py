@@ -101,7 +101,10 @@ def candidates(strategy: jd.Strategy, sizes: tuple[int, ...], batch: int) -> dic
         jax.shard_map(body, mesh=mesh, in_specs=(P(), P(), P(axis), P(axis)), out_specs=P()),
         donate_argnums=(0, 1),
     )
-    hand_state = jax.device_put((params0, tx.init(params0)), rep)
+    # Own buffers: each side donates its state, which must share nothing (`jax.device_put`
+    # may reuse a source buffer as one shard of a replicated array; a jitted copy never does).
+    own = jax.jit(lambda tree: jax.tree.map(jnp.copy, tree), out_shardings=rep)
+    hand_state = own((params0, tx.init(params0)))
 
     def run_hand():
         p, o, loss = hand(*hand_state, xg, yg)
@@ -163,7 +166,7 @@ def candidates(strategy: jd.Strategy, sizes: tuple[int, ...], batch: int) -> dic
         return optax.apply_updates(params, updates), opt_state, ctx.all_reduce("mean", loss)
 
     function = strategy.function(fn_step, options=jd.RunOptions(donate_args=True))
-    fstate = list(jax.device_put((params0, tx.init(params0)), rep))
+    fstate = list(own((params0, tx.init(params0))))
 
     def run_function():
         p, o, loss = function(*fstate, xs, ys)

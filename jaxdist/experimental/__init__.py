@@ -1,5 +1,6 @@
 """Experimental names, as in ``tf.distribute.experimental``."""
 
+from jaxdist._programs import set_program_cache_size
 from jaxdist.communication import (
     CollectiveHints,
     CommunicationImplementation,
@@ -18,4 +19,5 @@ __all__ = [
     "CommunicationOptions",
     "MultiWorkerMirroredStrategy",
     "ValueContext",
+    "set_program_cache_size",
 ]

@@ -28,6 +28,8 @@ bench: $(STAMP)
 	$(PY) benchmarks/dispatch.py
 	$(PY) benchmarks/train_step.py
 	$(PY) benchmarks/input_pipeline.py
+	$(PY) benchmarks/digits.py
+	$(PY) benchmarks/multi_process.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache *.egg-info

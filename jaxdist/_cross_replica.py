@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxdist._jax_compat import is_tracer
-from jaxdist.reduce import ReduceOp
+from jaxdist.reduce import ReduceOp, ordered_extremum
 from jaxdist.values import Mirrored, PerReplica
 
 
@@ -36,11 +36,21 @@ def _check_axis(where: str, axis: int | None, rank: int, shape: tuple[int, ...])
 def _reduce(x: jax.Array, op: ReduceOp, axes: tuple[int, ...]) -> jax.Array:
     if op is ReduceOp.SUM:
         return jnp.sum(x, axis=axes)
-    if op is ReduceOp.MAX:
-        return jnp.max(x, axis=axes)
+    if op is ReduceOp.MAX:  # NaN wins, as in NumPy, also across devices
+        return ordered_extremum(op, x, lambda k: jnp.max(k, axis=axes))
     if op is ReduceOp.MIN:
-        return jnp.min(x, axis=axes)
+        return ordered_extremum(op, x, lambda k: jnp.min(k, axis=axes))
     return jnp.mean(x, axis=axes)
+
+
+def _identity_of(op: ReduceOp, dtype: Any) -> Any:
+    """The value that never wins a MAX (MIN): -inf (+inf) for floats, the extreme integer."""
+    if jnp.issubdtype(dtype, jnp.floating):
+        return -jnp.inf if op is ReduceOp.MAX else jnp.inf
+    if jnp.issubdtype(dtype, jnp.bool_):
+        return op is ReduceOp.MIN
+    info = jnp.iinfo(dtype)
+    return info.min if op is ReduceOp.MAX else info.max
 
 
 @functools.partial(jax.jit, static_argnames=("op", "axes", "times"))
@@ -54,11 +64,10 @@ def _masked_reduce_jit(x: jax.Array, valid: jax.Array, op: ReduceOp) -> jax.Arra
     """Reduces over replicas and rows, counting only each replica's first valid rows."""
     mask = jnp.arange(x.shape[1])[None, :] < valid[:, None]
     mask = mask.reshape(mask.shape + (1,) * (x.ndim - 2))
-    info = jnp.finfo(x.dtype) if jnp.issubdtype(x.dtype, jnp.inexact) else jnp.iinfo(x.dtype)
-    if op is ReduceOp.MAX:
-        return jnp.max(x, axis=(0, 1), where=mask, initial=info.min)
-    if op is ReduceOp.MIN:
-        return jnp.min(x, axis=(0, 1), where=mask, initial=info.max)
+    if op in (ReduceOp.MAX, ReduceOp.MIN):  # padding rows never win
+        return _reduce(
+            jnp.where(mask, x, jnp.asarray(_identity_of(op, x.dtype), x.dtype)), op, (0, 1)
+        )
     total = jnp.sum(jnp.where(mask, x, 0), axis=(0, 1))
     if op is ReduceOp.SUM:
         return total

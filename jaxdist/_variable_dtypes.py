@@ -11,12 +11,15 @@ import numpy as np
 
 from jaxdist.values import Mirrored, PerReplica
 
-__all__ = ["fits", "initial_array", "lossy_cast", "split_sum"]
+__all__ = ["fits", "initial_array", "lossy_cast", "numeric", "split_sum"]
 
 
 def lossy_cast(src: Any, dst: Any) -> str | None:
     """Why converting dtype ``src`` to ``dst`` loses information by kind, or None (private)."""
     src, dst = np.dtype(src), np.dtype(dst)
+    for d in (src, dst):
+        if not numeric(d):
+            return f"{d} is not a numeric dtype, and JAX arrays hold only numbers and bools"
     if src == dst or src == np.bool_:
         return None
     if dst == np.bool_:
@@ -27,6 +30,12 @@ def lossy_cast(src: Any, dst: Any) -> str | None:
     if jnp.issubdtype(dst, jnp.floating) and jnp.issubdtype(src, jnp.complexfloating):
         return "a cast from complex to real drops the imaginary part"
     return None
+
+
+def numeric(dtype: Any) -> bool:
+    """Whether JAX arrays can have ``dtype``: numbers (bfloat16 and friends too) and bool."""
+    dtype = np.dtype(dtype)
+    return dtype == np.bool_ or bool(jnp.issubdtype(dtype, jnp.number))
 
 
 # TF's dtypes for Python numbers (and lists of them): 32 bits, whatever jax_enable_x64 says.
@@ -49,6 +58,12 @@ def initial_array(value: Any, dtype: Any, where: str) -> Any:
     if hasattr(value, "dtype"):
         src = np.dtype(value.dtype)
         host = None
+        if not numeric(src):
+            raise TypeError(
+                f"{where}: initial_value is an array of dtype {src} (shape "
+                f"{np.shape(value)}); a variable holds numbers or bools. Encode the values as "
+                "numbers first (for example ids into a vocabulary)."
+            )
     else:  # Python numbers or nested lists of them
         host = np.asarray(value)
         if host.dtype.kind not in PYTHON_DEFAULTS:
@@ -72,6 +87,11 @@ def initial_array(value: Any, dtype: Any, where: str) -> Any:
             target = np.dtype(dtype)
         except TypeError:
             raise TypeError(f"{where}: dtype={dtype!r} is not a dtype.") from None
+        if not numeric(target):
+            raise TypeError(
+                f"{where}: dtype={dtype!r} ({target}) is not a numeric dtype; a variable holds "
+                "numbers or bools (for example dtype='float32' or 'int32')."
+            )
         reason = lossy_cast(src, target)
         if reason is not None:
             raise TypeError(

@@ -18,7 +18,8 @@ checkpoint whose keys were renamed, or that lacks or adds entries, raises
 - a float (or complex) into a wider one, and 64 into 32 bits (``float64`` to
   ``float32``, what JAX itself does while ``jax_enable_x64`` is off);
 - never a float into an integer, a complex into a real, anything into bool,
-  or a float into a narrower 16-bit type (cast the checkpoint yourself).
+  or a float into a narrower 16-bit type (cast the checkpoint yourself);
+- a string only into a string, and nothing else into one.
 
 Replica counts. A variable's checkpoint holds one value, so it restores
 under any replica count: ``ON_WRITE`` variables take it; ``ON_READ`` ``SUM``
@@ -60,7 +61,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxdist._variable_dtypes import lossy_cast
+from jaxdist._variable_dtypes import lossy_cast, numeric
 from jaxdist.values import DistributedValues, Mirrored, PerReplica
 from jaxdist.variables import Variable
 
@@ -188,6 +189,12 @@ def _check_leaf(
             "that was saved (same model and sizes)."
         )
     problem = _cast_problem(saved, dtype)
+    if problem is not None and not numeric(saved.dtype):
+        raise ValueError(
+            f"{where}: {name} is an array of dtype {saved.dtype} in the checkpoint, but {what} "
+            f"is {np.dtype(dtype)}: {problem}. Restore into a template built like the state "
+            "that was saved."
+        )
     if problem is not None:
         raise ValueError(
             f"{where}: {name} is {saved.dtype} in the checkpoint, but {what} is "
@@ -227,7 +234,15 @@ def _restore_leaf(where: str, name: str, saved: Any, t: Any) -> Any:
     if isinstance(t, (bool, int, float, complex)):
         _check_leaf(where, name, s, (), np.asarray(t).dtype, f"the template's {type(t).__name__}")
         return type(t)(s.item())
-    return saved  # not an array: kept as saved
+    if isinstance(t, str):
+        if s.ndim or s.dtype.kind not in "US":
+            raise ValueError(
+                f"{where}: {name} is an array of dtype {s.dtype} and shape {s.shape} in the "
+                f"checkpoint, but the template has the string {t!r:.40} there. Restore into a "
+                "template built like the state that was saved."
+            )
+        return str(s.item() if s.dtype.kind == "U" else s.item().decode())
+    return saved  # not an array or a string: kept as saved
 
 
 def _restore_tree(where: str, saved: Any, template: Any) -> Any:

@@ -16,11 +16,14 @@ plainly that it does not:
   at least that many bytes, in leaf order (as TF's ``group_by_size`` packs),
   and reduces one buffer per collective. ``0`` leaves batching to XLA, whose
   combiner already merges the per-tensor all-reduces of one step.
-- ``timeout_seconds`` is kept on the options so a strategy can pass it on, but
-  JAX has no per-collective deadline to enforce it with: a collective that
-  cannot complete is detected by `jax.distributed`'s heartbeat, whose timeout
-  is set once per process at start-up (``jaxdist.initialize(
-  heartbeat_timeout_seconds=...)``).
+- ``timeout_seconds`` bounds each wait in a cross-process collective on the
+  CPU backend: `MultiWorkerMirroredStrategy` turns it into XLA's
+  process-wide ``--xla_cpu_collective_timeout_seconds`` when it starts
+  `jax.distributed`, and a collective that has not completed by then raises
+  ``JaxRuntimeError``. GPU and TPU collectives have no such deadline in
+  JAX; there, as everywhere, a dead process is caught by `jax.distributed`'s
+  heartbeat (``jaxdist.initialize(heartbeat_timeout_seconds=...)``). Other
+  strategies and per-call options carry the value without enforcing it.
 
 `CollectiveHints` is TF's deprecated spelling; it warns and returns a
 `CommunicationOptions`.
@@ -73,7 +76,8 @@ class CommunicationImplementation(enum.Enum):
             return value
         if isinstance(value, str) and value.strip().upper() in cls.__members__:
             return cls[value.strip().upper()]
-        raise ValueError(
+        error = ValueError if isinstance(value, str) else TypeError
+        raise error(
             f"{where}: unknown implementation {value!r}. Use one of jaxdist.experimental."
             "CommunicationImplementation.AUTO, RING, NCCL, or their names as strings "
             "(case-insensitive), e.g. implementation='ring'."
@@ -81,11 +85,16 @@ class CommunicationImplementation(enum.Enum):
 
 
 def _check_bytes_per_pack(value: Any, where: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
-        raise ValueError(
-            f"{where}: bytes_per_pack must be a non-negative int (bytes per packed buffer; "
-            f"0 leaves batching to XLA), got {value!r}. For 4 MiB packs write "
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(
+            f"{where}: bytes_per_pack must be an int (bytes per packed buffer; 0 leaves "
+            f"batching to XLA), got {type(value).__name__} ({value!r}). For 4 MiB packs write "
             "bytes_per_pack=4 * 1024 * 1024."
+        )
+    if value < 0:
+        raise ValueError(
+            f"{where}: bytes_per_pack must be >= 0 (bytes per packed buffer; 0 leaves batching "
+            f"to XLA), got {value!r}. For 4 MiB packs write bytes_per_pack=4 * 1024 * 1024."
         )
     return int(value)
 
@@ -93,12 +102,12 @@ def _check_bytes_per_pack(value: Any, where: str) -> int:
 def _check_timeout(value: Any, where: str) -> float | None:
     if value is None:
         return None
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, numbers.Real)
-        or not math.isfinite(value)
-        or value < 0
-    ):
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(
+            f"{where}: timeout_seconds must be None or a number of seconds, got "
+            f"{type(value).__name__} ({value!r}). Write timeout_seconds=30 (0: no timeout)."
+        )
+    if not math.isfinite(value) or value < 0:
         raise ValueError(
             f"{where}: timeout_seconds must be None or a finite number of seconds >= 0 "
             f"(0 disables the timeout, as in TF), got {value!r}."
@@ -120,10 +129,12 @@ class CommunicationOptions:
             XLA's combiner batch them; ``> 0`` concatenates same-dtype tensors,
             in order, into buffers of at least this many bytes and reduces one
             buffer per collective.
-        timeout_seconds: ``None`` or seconds (``0``: none). Carried, not
-            enforced: JAX collectives have no per-call deadline. A stuck
-            collective is caught by `jax.distributed`'s heartbeat, configured
-            once per process (``jaxdist.initialize(heartbeat_timeout_seconds=)``).
+        timeout_seconds: ``None`` or seconds (``0``: XLA's default). Given to
+            `MultiWorkerMirroredStrategy` on CPU, how long a collective may wait
+            for the other processes before it raises (see the module
+            docstring); elsewhere carried, not enforced. A dead process is
+            caught by `jax.distributed`'s heartbeat in any case
+            (``jaxdist.initialize(heartbeat_timeout_seconds=)``).
         implementation: a `CommunicationImplementation` (or its name): the
             collective structure, see `cross_device_ops_for`.
 

@@ -439,23 +439,43 @@ class ReplicaContext:
         if not self._bound:
             with _entered(merged):
                 return merge_fn(self.strategy, *args, **kwargs)
-        g_args, g_kwargs = jax.tree.map(self._gather_for_merge, (tuple(args), kwargs))
+        g_args, g_kwargs = jax.tree.map(
+            self._gather_for_merge, (tuple(args), kwargs), is_leaf=_is_variable
+        )
         with _entered(merged):
             result = merge_fn(self.strategy, *g_args, **g_kwargs)
         return jax.tree.map(
             self._scatter_from_merge,
             result,
-            is_leaf=lambda x: isinstance(x, DistributedValues),
+            is_leaf=lambda x: isinstance(x, DistributedValues) or _is_variable(x),
         )
 
     def _gather_for_merge(self, x: Any) -> Any:
+        if _is_variable(x):
+            return self._variable_for_merge(x)
         if not (is_tracer(x) or isinstance(x, jax.Array)):
             return x
         if varies(x, self.axis_name):
             return PerReplica(all_gather_invariant(x, self.axis_name))
         return Mirrored(x)
 
+    def _variable_for_merge(self, var: Any) -> Any:
+        """A variable as ``merge_fn`` sees it: the cross-replica variable (TF's
+        ``MirroredVariable``), mirrored value or every replica's copy."""
+        from jaxdist._replica_updates import mirror_of
+
+        meta = var._meta
+        if not meta.local:
+            return var
+        if var.is_on_read:
+            stored = all_gather_invariant(var._stored, self.axis_name)
+        else:
+            stored = mirror_of(self, var, "ReplicaContext.merge_call")
+        return var._make(stored, dataclasses.replace(meta, local=False))
+
     def _scatter_from_merge(self, x: Any) -> Any:
+        if _is_variable(x):
+            return self._variable_from_merge(x)
         if isinstance(x, PerReplica):
             return lax.dynamic_index_in_dim(
                 x.array, lax.axis_index(self.axis_name), axis=0, keepdims=False
@@ -463,6 +483,27 @@ class ReplicaContext:
         if isinstance(x, Mirrored):
             return x.array
         return x
+
+    def _variable_from_merge(self, var: Any) -> Any:
+        """A variable ``merge_fn`` returned, as each replica sees it again."""
+        from jaxdist._replica_updates import register_mirror
+
+        meta = var._meta
+        if meta.local:
+            return var
+        if var.is_on_read:
+            stored = lax.dynamic_index_in_dim(
+                var._stored, lax.axis_index(self.axis_name), axis=0, keepdims=False
+            )
+        else:
+            stored = register_mirror(self, var._stored)
+        return var._make(stored, dataclasses.replace(meta, local=True))
+
+
+def _is_variable(x: Any) -> bool:
+    from jaxdist.variables import Variable
+
+    return isinstance(x, Variable)
 
 
 # Compatibility shims -----------------------------------------------------------

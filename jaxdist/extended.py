@@ -24,7 +24,7 @@ from jaxdist._jax_compat import is_tracer
 from jaxdist.communication import CommunicationOptions, resolve_options
 from jaxdist.context import check_cross_replica
 from jaxdist.reduce import ReduceOp, broadcast_to, check_pairs, destination_sharding, place
-from jaxdist.values import DistributedValues, Mirrored, PerReplica
+from jaxdist.values import Mirrored, PerReplica
 from jaxdist.variables import (
     Variable,
     VariableAggregation,
@@ -79,7 +79,9 @@ class _CopyView:
 
     Reads like an array (``read_value``, ``value``, operators, ``jnp``
     functions); ``assign``, ``assign_add`` and ``assign_sub`` set the value that
-    ``update`` stores and return the view, as a TF variable's do.
+    ``update`` stores and return the view, as a TF variable's do. It is a pytree
+    (its value the one leaf), which is how ``jnp`` functions, jitted inside,
+    accept it.
     """
 
     __slots__ = ("_value", "_var")
@@ -184,6 +186,30 @@ class _CopyView:
         return self._value[index]
 
 
+class _Copied:
+    """A view's variable, as pytree metadata: equal for variables of the same metadata,
+    shape and dtype, so a jitted ``jnp`` function called on views compiles once."""
+
+    __slots__ = ("_key", "var")
+
+    def __init__(self, var: Variable) -> None:
+        self.var = var
+        self._key = (var._meta, var.shape, str(var.dtype))
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Copied) and other._key == self._key
+
+    def __hash__(self) -> int:
+        return hash(self._key)
+
+
+jax.tree_util.register_pytree_node(
+    _CopyView,
+    lambda view: ((view._value,), _Copied(view._var)),
+    lambda info, children: _CopyView(children[0], info.var),
+)
+
+
 def _binary(op: Callable[[Any, Any], Any], reflected: bool = False) -> Any:
     def method(self: _CopyView, other: Any) -> Any:
         other = other._value if isinstance(other, _CopyView) else other
@@ -211,6 +237,32 @@ for _name, _op in [
     ("ge", operator.ge),
 ]:
     setattr(_CopyView, f"__{_name}__", _binary(_op))
+
+
+def _sharding(stored: Any) -> Any:
+    """The sharding of a variable's storage (``None`` inside a trace: placement is jit's)."""
+    return None if is_tracer(stored) else stored.sharding
+
+
+def _shardings_of(stored: Any) -> tuple[Any, Any]:
+    """For ``ON_READ`` storage: where per-replica rows go, and where whole values go."""
+    rows = _sharding(stored)
+    if isinstance(rows, NamedSharding):
+        return rows, NamedSharding(rows.mesh, P())
+    return rows, rows
+
+
+def _onto(x: Any, sharding: Any) -> Any:
+    """``x`` on ``sharding``'s devices when it is a concrete array committed elsewhere (TF
+    copies ``update``'s arguments to the variable's devices)."""
+    if (
+        sharding is None
+        or not isinstance(x, jax.Array)
+        or is_tracer(x)
+        or x.sharding.device_set == sharding.device_set
+    ):
+        return x
+    return jax.device_put(x, sharding)
 
 
 def _updated_value(fn: Callable[..., Any], view: _CopyView, args: Any, kwargs: Any) -> Any:
@@ -260,13 +312,22 @@ class StrategyExtended:
 
     @property
     def experimental_require_static_shapes(self) -> bool:
-        """True: every jaxdist program is compiled for static shapes.
+        """False: input pipelines need not drop a partial last batch to keep shapes static.
 
-        In TF only TPU strategies require them; in JAX every strategy does (XLA
-        compiles one program per shape). A dataset's partial last batch is
-        therefore padded to the full batch shape and masked, never reshaped.
+        TF's meaning: whether datasets fed to the strategy must have static
+        shapes, so that code building them (Keras's numpy input) sets
+        ``drop_remainder=True``. TF says ``True`` only for TPU strategies. XLA
+        compiles every jaxdist program for fixed shapes too, but jaxdist's
+        distributed datasets pad a partial last batch to the full shape and mask
+        the padding, so no strategy here needs the remainder dropped, and a
+        program given new shapes is simply compiled again.
+
+        Example:
+            >>> import jaxdist as jd
+            >>> jd.OneDeviceStrategy().extended.experimental_require_static_shapes
+            False
         """
-        return True
+        return False
 
     def variable_created_in_scope(self, v: Any) -> bool:
         """True if ``v`` is a `Variable` created inside this strategy's ``scope()``."""
@@ -346,8 +407,13 @@ class StrategyExtended:
                     (args, kwargs),
                     is_leaf=is_distributed,
                 )
+                rows, whole = _shardings_of(stored)
                 unwrapped = jax.tree.map(
-                    lambda x: x.array if isinstance(x, DistributedValues) else x,
+                    lambda x: (
+                        _onto(x.array, rows)
+                        if isinstance(x, PerReplica)
+                        else _onto(x.array if isinstance(x, Mirrored) else x, whole)
+                    ),
                     (args, kwargs),
                     is_leaf=is_distributed,
                 )
@@ -365,7 +431,7 @@ class StrategyExtended:
                         "strategy.reduce) or update inside run with ctx.assign."
                     )
                 a, k = jax.tree.map(
-                    lambda x: x.array if isinstance(x, Mirrored) else x,
+                    lambda x: _onto(x.array if isinstance(x, Mirrored) else x, _sharding(stored)),
                     (args, kwargs),
                     is_leaf=is_distributed,
                 )

@@ -129,28 +129,38 @@ def _order_key(bits: jax.Array, top: int) -> jax.Array:
     return jnp.where(bits < 0, bits ^ top, bits)
 
 
-def _nan_propagating_extremum(op: ReduceOp, x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
-    """``lax.pmax``/``pmin`` that return NaN where any replica has NaN (as ``np.max``).
+def ordered_extremum(
+    op: ReduceOp, x: jax.Array, reduce_keys: Callable[[jax.Array], jax.Array]
+) -> jax.Array:
+    """The MAX or MIN of ``x`` computed by ``reduce_keys``, with NaN winning (private).
 
-    XLA's CPU all-reduce drops NaN from max/min (checked with jax 0.10.2: a NaN on
-    one of 8 replicas came back as the max of the others). The fix costs no
-    communication: each float is mapped to an integer of the same width whose
-    order is the float order (negative floats have their magnitude bits flipped),
-    with NaN mapped to the largest integer for MAX (smallest for MIN); the one
-    integer all-reduce moves the same bytes as the float one, and mapping back is
-    a few elementwise ops per replica. A second all-reduce of an ``isnan`` flag
-    would double the collectives instead.
+    ``reduce_keys`` is the integer reduction to apply (``lax.pmax`` over mesh
+    axes, or ``jnp.max`` along array axes of a sharded global array). XLA's CPU
+    all-reduce drops NaN from float max/min (checked with jax 0.10.2: a NaN on
+    one of 8 replicas came back as the max of the others), and so does the
+    all-reduce XLA's partitioner emits for ``jnp.max`` across devices. So
+    floats are reduced as integers of the same width whose order is the float
+    order (negative floats have their magnitude bits flipped), with NaN mapped
+    to the largest integer for MAX (smallest for MIN): the same bytes cross the
+    wire as for the float reduction, and mapping back is a few elementwise ops.
+    A second reduction of an ``isnan`` flag would double the collectives.
+    Non-float dtypes are reduced as they are.
     """
-    combine = lax.pmax if op is ReduceOp.MAX else lax.pmin
     if not jnp.issubdtype(x.dtype, jnp.floating):
-        return combine(x, axes)
+        return reduce_keys(x)
     itype = _INT_OF_WIDTH[x.dtype.itemsize]
     info = jnp.iinfo(itype)
     key = _order_key(lax.bitcast_convert_type(x, itype), int(info.max))
     nan_key = int(info.max) if op is ReduceOp.MAX else int(info.min)
     key = jnp.where(jnp.isnan(x), jnp.asarray(nan_key, itype), key)
-    out = lax.bitcast_convert_type(_order_key(combine(key, axes), int(info.max)), x.dtype)
+    out = lax.bitcast_convert_type(_order_key(reduce_keys(key), int(info.max)), x.dtype)
     return jnp.where(jnp.isnan(out), jnp.asarray(jnp.nan, x.dtype), out)
+
+
+def _nan_propagating_extremum(op: ReduceOp, x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
+    """``lax.pmax``/``pmin`` over mesh ``axes`` that return NaN where any replica has NaN."""
+    combine = lax.pmax if op is ReduceOp.MAX else lax.pmin
+    return ordered_extremum(op, x, lambda k: combine(k, axes))
 
 
 # Destinations -----------------------------------------------------------------------
@@ -188,6 +198,10 @@ def destination_sharding(destinations: Any, *, where: str, default: Any = None) 
         target = target.device_values
     elif isinstance(target, DistributedValues):
         target = target.array
+        if default is not None and _device_count(target) == 1:
+            # A distributed value lives on every replica, wherever its host-built array
+            # happens to sit (PerReplica([...]) is on one device until run places it).
+            return default
     if is_tracer(target):
         return default
     if isinstance(target, jax.Array):
@@ -595,7 +609,8 @@ class HierarchicalCopyAllReduce(_PackingOps):
     hierarchical: reduce-scatter over the innermost axis (inside a process),
     all-reduce of each shard over the outer axes (across processes, ``1/L`` of
     the data), then all-gather over the innermost axis. Leaves whose size does
-    not divide by the innermost axis size are padded for the exchange.
+    not divide by the innermost axis size are padded for the exchange. MAX and
+    MIN, which XLA cannot reduce-scatter, are one all-reduce over every axis.
     """
 
     def _all_reduce_leaf(self, x: jax.Array, axes: tuple[str, ...]) -> jax.Array:

@@ -63,6 +63,51 @@ def _onto_mesh(strategy: Strategy, tree: Any) -> Any:
     return jax.tree.map(leaf, tree, is_leaf=is_distributed)
 
 
+def _check_mesh(
+    name: str, count: int, mesh_shape: Any, axis_names: Any
+) -> tuple[tuple[int, ...], tuple[str, ...]]:
+    """``mesh_shape`` and ``axis_names`` checked against ``count`` devices (private)."""
+    where = f"{name}(mesh_shape={mesh_shape!r}, axis_names={axis_names!r})"
+    if isinstance(axis_names, str):
+        axis_names = (axis_names,)
+    if (
+        not isinstance(axis_names, (tuple, list))
+        or not axis_names
+        or not all(isinstance(a, str) and a for a in axis_names)
+        or len(set(axis_names)) != len(axis_names)
+    ):
+        raise ValueError(
+            f"{where}: axis_names must be a non-empty tuple of distinct mesh axis names, "
+            "outermost first, e.g. ('host', 'local')."
+        )
+    names = tuple(axis_names)
+    if len(names) == 1:
+        example: tuple[int, ...] = (count,)
+    elif len(names) == 2 and count % 2 == 0:
+        example = (2, count // 2)
+    else:
+        example = (count,) + (1,) * (len(names) - 1)
+    if mesh_shape is None:
+        if len(names) != 1:
+            raise ValueError(
+                f"{where}: {len(names)} axis names need a mesh_shape with one size per name "
+                f"whose product is the number of devices ({count}), e.g. mesh_shape={example}."
+            )
+        return (count,), names
+    shape = tuple(mesh_shape) if isinstance(mesh_shape, (tuple, list)) else None
+    if (
+        shape is None
+        or not all(isinstance(k, int) and not isinstance(k, bool) and k > 0 for k in shape)
+        or len(shape) != len(names)
+        or int(np.prod(shape)) != count
+    ):
+        raise ValueError(
+            f"{where}: mesh_shape must give one positive size per axis name {names} whose "
+            f"product is the number of devices ({count}), e.g. mesh_shape={example}."
+        )
+    return shape, names
+
+
 def _strong(fn: Callable[..., Any]) -> Callable[[], Callable[..., Any]]:
     return lambda: fn
 
@@ -127,7 +172,7 @@ class Strategy:
         devices = tuple(devices)
         # Replica r is device r of ``devices``; with several mesh axes (for example
         # ("host", "local")) the replica axis is all of them, in row-major order.
-        shape = mesh_shape if mesh_shape is not None else (len(devices),)
+        shape, axis_names = _check_mesh(type(self).__name__, len(devices), mesh_shape, axis_names)
         grid = np.array(devices, dtype=object).reshape(shape)
         mesh = Mesh(grid, axis_names, axis_types=(AxisType.Auto,) * len(axis_names))
         object.__setattr__(

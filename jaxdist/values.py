@@ -223,8 +223,8 @@ class PerReplica(DistributedValues):
         rows = self._local_rows()
         if self.valid is None or is_tracer(self.valid):
             return tuple(row for _, row in rows)
-        valid = np.asarray(self.valid)
-        return tuple(row[: int(valid[r])] for r, row in rows)
+        valid = _counts_by_replica(self.valid)
+        return tuple(row[: valid[r]] for r, row in rows)
 
     def _local_rows(self) -> list[tuple[int, Any]]:
         """``(replica, padded row)`` for each replica of this process, in replica order."""
@@ -246,6 +246,24 @@ class PerReplica(DistributedValues):
             f"not one row per device (shape {self.shape}, sharding "
             f"{self.array.sharding}); use Strategy.experimental_local_results instead."
         )
+
+
+def _counts_by_replica(valid: Any) -> dict[int, int]:
+    """The valid-row counts this process can read, by replica.
+
+    In a job of several processes a batch's counts may be split by replica like
+    the batch itself; each process then reads its own replicas' counts only.
+    """
+    if isinstance(valid, jax.Array) and not (
+        valid.is_fully_addressable or valid.is_fully_replicated
+    ):
+        n = valid.shape[0]
+        counts: dict[int, int] = {}
+        for shard in valid.addressable_shards:
+            start, stop, _ = shard.index[0].indices(n)
+            counts.update(zip(range(start, stop), np.asarray(shard.data).tolist(), strict=True))
+        return counts
+    return dict(enumerate(np.asarray(valid).tolist()))
 
 
 class Mirrored(DistributedValues):

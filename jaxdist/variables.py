@@ -56,7 +56,7 @@ from jax.sharding import PartitionSpec as P
 from jaxdist import _dispatch
 from jaxdist._cross_replica import reduce_leaf
 from jaxdist._jax_compat import is_tracer
-from jaxdist._variable_dtypes import initial_array, lossy_cast, split_sum
+from jaxdist._variable_dtypes import initial_array, lossy_cast, numeric, split_sum
 from jaxdist.context import current_state, get_replica_context, get_strategy
 from jaxdist.reduce import ReduceOp
 from jaxdist.values import DistributedValues, Mirrored, PerReplica
@@ -350,7 +350,8 @@ class Variable:
 
         Raises:
             ValueError: reading an ``ON_READ`` variable with aggregation ``NONE``
-                in cross-replica context, or while another strategy is in effect.
+                and several replicas in cross-replica context (with one replica its
+                one copy is the value), or while another strategy is in effect.
         """
         self._check_strategy("Variable.read_value")
         return self._aggregate("Variable.read_value")
@@ -359,6 +360,8 @@ class Variable:
         if not self._per_replica_storage:
             return self._stored
         agg = self.aggregation
+        if agg is Agg.ONLY_FIRST_REPLICA or self._stored.shape[0] == 1:
+            return self._stored[0]  # with one replica, its one copy is the value (as TF)
         if agg is Agg.NONE:
             raise ValueError(
                 f"{where}: {self!r} is ON_READ with aggregation NONE, so its "
@@ -366,8 +369,6 @@ class Variable:
                 "cross-replica context. Give it an aggregation (SUM, MEAN, ONLY_FIRST_REPLICA) "
                 "or read its copies with strategy.experimental_local_results(v.device_values)."
             )
-        if agg is Agg.ONLY_FIRST_REPLICA:
-            return self._stored[0]
         strategy = self._meta.strategy
         op = ReduceOp.SUM if agg is Agg.SUM else ReduceOp.MEAN
         out = strategy._gated(
@@ -430,6 +431,12 @@ class Variable:
             )
         elif not hasattr(value, "dtype"):
             value = np.asarray(value)  # Python numbers and lists of them
+        if not numeric(value.dtype):
+            raise TypeError(
+                f"{where}: cannot assign an array of dtype {value.dtype} (shape "
+                f"{np.shape(value)}) to variable {self.name!r} of dtype {self.dtype}: "
+                "variables hold numbers or bools. Encode the values as numbers first."
+            )
         self._check_fits(jnp.result_type(value), np.shape(value), where)
         return jnp.broadcast_to(jnp.asarray(value, dtype=self.dtype), self.shape)
 
@@ -518,10 +525,15 @@ class Variable:
             if is_tracer(value):
                 return jax.lax.with_sharding_constraint(value, stored.sharding)
             return jax.device_put(value, stored.sharding)
+        # Inside the caller's jax.jit: keep the strategy's placement, which jit would
+        # otherwise choose from the other operands (one device, for a value computed from
+        # an uncommitted array).
         strategy = self._meta.strategy
-        if self._per_replica_storage and strategy.num_replicas_in_sync > 1:
+        if strategy.num_replicas_in_sync == 1 or current_state().merging:
+            return value  # (in a merge_fn, inside the replica function's shard_map)
+        if self._per_replica_storage:
             return jax.lax.with_sharding_constraint(value, _replica_sharding(strategy))
-        return value  # inside the caller's jax.jit: placement is jit's
+        return jax.lax.with_sharding_constraint(value, _mirrored_sharding(strategy))
 
     def _updated(self, kind: str, value: Any, where: str) -> Any:
         """The new storage after a cross-replica ``assign`` / ``assign_add`` / ``assign_sub``."""

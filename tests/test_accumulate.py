@@ -340,6 +340,44 @@ def test_nnx_wrt_filter() -> None:
     _assert_tree_close(grads, ref)
 
 
+def test_hlo_of_a_train_step_with_an_optimizer_reduces_once() -> None:
+    """The whole compiled `jd.train_step` (adamw update included): the same all-reduces with
+    4 micro-batches as without, one while loop for them, no all-reduce inside it."""
+    strategy = jd.MirroredStrategy()
+    x, y = _data(64)
+    batch = next(
+        iter(strategy.experimental_distribute_dataset(jd.data.from_arrays(x, y, batch_size=64)))
+    )
+    tx = optax.adamw(1e-3)
+
+    def build(steps: int | None) -> Any:
+        @jd.train_step(strategy)
+        def step(ctx: jd.ReplicaContext, model: _MLP, opt: nnx.Optimizer, batch: Any) -> Any:
+            if steps is None:
+                loss, grads = nnx.value_and_grad(_nnx_loss)(model, batch)
+            else:
+                loss, grads = accumulate_gradients(_nnx_loss, model, batch, steps)
+            opt.update(model, ctx.all_reduce("sum", grads))
+            return ctx.all_reduce("sum", loss)
+
+        return step
+
+    texts = {}
+    for steps in (None, 4):
+        with strategy.scope():
+            model = _MLP(nnx.Rngs(0))
+            opt = nnx.Optimizer(model, tx, wrt=nnx.Param)
+        texts[steps] = build(steps).lower(model, opt, batch).compile().as_text()
+    plain, accumulated = texts[None], texts[4]
+    assert _all_reduces(plain) > 0
+    assert _all_reduces(accumulated) == _all_reduces(plain)
+    assert "while(" not in plain
+    bodies = re.findall(r"\bwhile\(.*?body=%?([\w.\-]+)", accumulated)
+    assert len(bodies) == 1
+    comps = _computations(accumulated)
+    assert not any(_all_reduces(comps[name]) for name in _reachable(comps, bodies[0]))
+
+
 # Errors ---------------------------------------------------------------------------
 
 

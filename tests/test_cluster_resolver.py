@@ -372,6 +372,8 @@ def test_jax_kwargs_without_chief_and_with_rpc_prefixes() -> None:
         (CHIEF_CLUSTER, ("worker", "1"), r"task_id must be an integer, got str '1'"),
         ({"worker": ["w0", "w1:1"]}, ("worker", 1), r"the coordinator address 'w0' is not 'ho"),
         ({"worker": ["w0:0", "w1:1"]}, ("worker", 1), r"coordinator address 'w0:0' is not 'hos"),
+        ({"worker": ["a:1,b:1", "c:1"]}, ("worker", 1), r"'a:1,b:1', 'a:1,b' is not a host name"),
+        ({"worker": ["fe80::1:1", "c:1"]}, ("worker", 1), r"'fe80::1' is not a host name or an"),
     ],
 )
 def test_jax_kwargs_errors(cluster: Any, task: tuple[Any, Any], match: str) -> None:
@@ -984,6 +986,13 @@ def test_gce_metadata_stays_off_the_network_off_gce(monkeypatch: pytest.MonkeyPa
             r"worker index 2 is outside the 2 TPU workers",
         ),
         ({"TPU_WORKER_HOSTNAMES": "a:1:2:3"}, {}, ValueError, r"cannot read the TPU worker entry"),
+        (
+            {},
+            {"tpu": "grpc://10.0.0.1:8470,grpc://10.0.0.2:8470"},
+            ValueError,
+            r"TPUClusterResolver\(tpu='grpc://10.0.0.1:8470,grpc://10.0.0.2:8470'\): in the "
+            r"coordinator address .*, '10.0.0.1:8470,grpc://10.0.0.2' is not a host name",
+        ),
         ({"MEGASCALE_NUM_SLICES": "2"}, {}, ValueError, r"MEGASCALE_NUM_SLICES=2: a multislice"),
     ],
 )
@@ -1281,6 +1290,138 @@ def test_initialize_resolves_the_environment(
         r"jaxdist.cluster_resolver.ClusterResolver",
     ):
         initialize({"worker": ["w0:1"]})  # type: ignore[arg-type]
+    shutdown()
+
+
+def _env_launcher(monkeypatch: pytest.MonkeyPatch) -> None:
+    launcher_env(
+        monkeypatch, COORDINATOR_ADDRESS="127.0.0.1:7001", NUM_PROCESSES="3", PROCESS_ID="1"
+    )
+
+
+def _env_tf_config(monkeypatch: pytest.MonkeyPatch) -> None:
+    set_tf_config(
+        monkeypatch,
+        {"cluster": {**CHIEF_CLUSTER, "worker": ["grpc://w0:2222", "w1:2222"]},
+         "task": {"type": "worker", "index": 1}},
+    )  # fmt: skip
+
+
+def _env_slurm(monkeypatch: pytest.MonkeyPatch) -> None:  # srun -N 2 --ntasks-per-node 2
+    slurm_env(
+        monkeypatch, PROCID="3", STEP_NUM_TASKS="4", STEP_NODELIST="n[9-10]",
+        STEP_TASKS_PER_NODE="2(x2)",
+    )  # fmt: skip
+
+
+def _env_kubernetes(monkeypatch: pytest.MonkeyPatch) -> None:  # an Indexed Job's pod 1
+    monkeypatch.setenv("KUBERNETES_SERVICE_HOST", "10.96.0.1")
+    monkeypatch.setenv("JAXDIST_KUBERNETES_LABEL_SELECTOR", "job-name=train")
+    monkeypatch.setenv("JOB_COMPLETION_INDEX", "1")
+    pods = [(f"train-{i}", "Running", f"10.0.0.{i}") for i in range(3)]
+    client = FakeKubernetesClient({"job-name=train": pods})
+    module = types.ModuleType("kubernetes")
+    module.client = NS(CoreV1Api=lambda: client)  # type: ignore[attr-defined]
+    module.config = NS(load_incluster_config=lambda: None)  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "kubernetes", module)
+
+
+def _env_tpu_gke(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TPU_WORKER_HOSTNAMES", "t1v-0,t1v-1,t1v-2,t1v-3")
+    monkeypatch.setenv("TPU_WORKER_ID", "2")
+
+
+def _env_tpu_vm(monkeypatch: pytest.MonkeyPatch) -> None:  # the GCE metadata server
+    monkeypatch.setattr(default_mod, "_running_in_cloud_tpu_vm", lambda: True)
+    metadata = {
+        "worker-network-endpoints": "w0:uid0:10.1.0.1,w1:uid1:10.1.0.2",
+        "agent-worker-number": "1",
+    }
+    monkeypatch.setattr(tpu_mod, "_gce_metadata", metadata.get)
+
+
+@pytest.mark.parametrize(
+    ("set_env", "resolver_type", "expected"),
+    [
+        (_env_launcher, LauncherClusterResolver, ("127.0.0.1:7001", 3, 1)),
+        (_env_tf_config, TFConfigClusterResolver, ("c0:2222", 3, 2)),  # the chief is process 0
+        (_env_slurm, SlurmClusterResolver, ("n9:8888", 4, 3)),
+        (_env_kubernetes, KubernetesClusterResolver, ("pod-10.0.0.0:8470", 3, 1)),
+        (_env_tpu_gke, TPUClusterResolver, ("t1v-0:8482", 4, 2)),
+        (_env_tpu_vm, TPUClusterResolver, ("10.1.0.1:8482", 2, 1)),
+    ],
+    ids=["launcher", "tf-config", "slurm", "kubernetes", "tpu-gke", "tpu-vm"],
+)
+def test_every_environment_gives_initialize_its_arguments(
+    monkeypatch: pytest.MonkeyPatch,
+    fake_jax: FakeJax,
+    set_env: Any,
+    resolver_type: type,
+    expected: tuple[str, int, int],
+) -> None:
+    """Each platform's environment, found by `initialize()` itself, becomes the exact call."""
+    set_env(monkeypatch)
+    resolver = initialize()
+    assert type(resolver) is resolver_type
+    address, processes, process_id = expected
+    assert fake_jax.init_calls == [
+        {
+            "coordinator_address": address,
+            "num_processes": processes,
+            "process_id": process_id,
+            "initialization_timeout": 300,
+            "heartbeat_timeout_seconds": 20,
+            "shutdown_timeout_seconds": 300,
+            "cluster_detection_method": "deactivate",
+        }
+    ]
+    shutdown()
+
+
+@pytest.mark.parametrize(
+    ("make", "expected"),
+    [
+        (
+            lambda: SimpleClusterResolver(CHIEF_CLUSTER, task_type="chief", task_id=0),
+            ("c0:2222", 3, 0),
+        ),
+        (
+            lambda: UnionResolver(
+                SimpleClusterResolver({"worker": ["w0:1", "w1:1"]}, task_type="worker", task_id=1),
+                SimpleClusterResolver({"ps": ["p0:1"], "evaluator": ["e0:1"]}),
+            ),
+            ("w0:1", 2, 1),
+        ),
+        (
+            lambda: _k8s(
+                {"app=w": [("b", "Running", "10.0.0.2"), ("a", "Running", "10.0.0.1")]},
+                job_to_label_mapping={"worker": ["app=w"]},
+                tf_server_port=1234,
+            ),
+            ("10.0.0.1:1234", 2, 0),
+        ),
+        (lambda: TPUClusterResolver(tpu="grpc://10.240.1.2:8470"), None),
+    ],
+    ids=["simple", "union", "kubernetes-client", "tpu-one-worker"],
+)
+def test_explicit_resolvers_give_initialize_their_arguments(
+    fake_jax: FakeJax, make: Any, expected: tuple[str, int, int] | None
+) -> None:
+    resolver = make()
+    if isinstance(resolver, KubernetesClusterResolver):
+        resolver.task_type, resolver.task_id = "worker", 0
+    if expected is None:  # one process: nothing to start
+        assert initialize(resolver) is resolver
+        assert fake_jax.init_calls == [] and not is_initialized()
+        return
+    assert initialize(resolver) is resolver
+    address, processes, process_id = expected
+    call = fake_jax.init_calls[0]
+    assert (call["coordinator_address"], call["num_processes"], call["process_id"]) == (
+        address,
+        processes,
+        process_id,
+    )
     shutdown()
 
 

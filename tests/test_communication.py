@@ -62,16 +62,28 @@ def test_options_defaults_names_and_merge() -> None:
 
 
 @pytest.mark.parametrize(
-    ("kwargs", "message"),
+    ("kwargs", "error", "message"),
     [
-        ({"bytes_per_pack": -1}, r"bytes_per_pack"),
-        ({"bytes_per_pack": 1.5}, r"bytes_per_pack"),
-        ({"timeout_seconds": -3}, r"timeout_seconds"),
-        ({"implementation": "carrier-pigeon"}, r"implementation.*(AUTO|RING|NCCL)"),
+        ({"bytes_per_pack": -1}, ValueError, r"bytes_per_pack must be >= 0 .* got -1\. For 4 MiB"),
+        (
+            {"bytes_per_pack": 1.5},
+            TypeError,
+            r"bytes_per_pack must be an int .* got float \(1\.5\)",
+        ),
+        ({"bytes_per_pack": True}, TypeError, r"bytes_per_pack must be an int .* got bool"),
+        ({"timeout_seconds": -3}, ValueError, r"timeout_seconds must be None or a finite number"),
+        ({"timeout_seconds": float("inf")}, ValueError, r"timeout_seconds .* got inf"),
+        ({"timeout_seconds": "30"}, TypeError, r"timeout_seconds must be None or a number .* str"),
+        (
+            {"implementation": "carrier-pigeon"},
+            ValueError,
+            r"unknown implementation 'carrier-pigeon'\. Use one of .*AUTO, RING, NCCL",
+        ),
+        ({"implementation": 2}, TypeError, r"unknown implementation 2\. .*implementation='ring'"),
     ],
 )
-def test_options_refuse_bad_values(kwargs: dict[str, Any], message: str) -> None:
-    with pytest.raises((ValueError, TypeError), match=message):
+def test_options_refuse_bad_values(kwargs: dict[str, Any], error: type, message: str) -> None:
+    with pytest.raises(error, match=r"^CommunicationOptions: " + message):
         jd.experimental.CommunicationOptions(**kwargs)
 
 
@@ -209,11 +221,16 @@ def test_strategy_options_apply_to_every_all_reduce() -> None:
 
 
 @pytest.mark.parametrize("op", ["max", "min"])
-def test_strategy_reduce_propagates_nan(op: str) -> None:
+@pytest.mark.parametrize("placed", [True, False], ids=["sharded", "one_device"])
+def test_strategy_reduce_propagates_nan(op: str, placed: bool) -> None:
     s = jd.MirroredStrategy()
     rows = _rows()
     rows[5, 0] = np.nan
-    out = np.asarray(s.reduce(op, jd.PerReplica(jnp.asarray(rows)), axis=None))
+    x = jd.PerReplica(jnp.asarray(rows))
+    if placed:  # spread over the devices, so the reduction is a cross-device all-reduce
+        x = s.run(lambda ctx, a: a, args=(x,))
+        assert len(x.array.devices()) == 8
+    out = np.asarray(s.reduce(op, x, axis=None))
     np.testing.assert_array_equal(out, getattr(np, op)(rows, axis=0))
 
 
@@ -378,6 +395,6 @@ def test_cross_replica_assign_of_distributed_values() -> None:
 
 
 def test_experimental_require_static_shapes_and_names() -> None:
-    assert jd.MirroredStrategy().extended.experimental_require_static_shapes is True
+    assert jd.MirroredStrategy().extended.experimental_require_static_shapes is False
     assert jd.experimental.CentralStorageStrategy is jd.CentralStorageStrategy
     assert jd.experimental.MultiWorkerMirroredStrategy is jd.MultiWorkerMirroredStrategy

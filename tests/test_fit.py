@@ -11,6 +11,7 @@ program on the same inputs: bit-identical, compared with
 from __future__ import annotations
 
 import os
+import pty
 import re
 import signal
 import threading
@@ -647,3 +648,126 @@ def test_ctrl_c_hands_back_the_functional_state() -> None:
     assert isinstance(state, jd.TrainState) and int(state.step) == info.value.history.step
     assert not any(v.is_deleted() for v in jax.tree.leaves(state))
     state, _ = jd.fit(step, state, data=data, steps=int(state.step) + 1)  # still usable
+
+
+class _InterruptAt(jd.training.Callback):
+    """At global step ``step``: raises KeyboardInterrupt, or sends this process SIGINT
+    ``signals`` times (from the main thread, so the handler runs before the next line)."""
+
+    def __init__(self, step: int, *, signals: int = 0) -> None:
+        self.step, self.signals = step, signals
+
+    def on_step_end(self, step, logs) -> None:
+        if step != self.step:
+            return
+        if not self.signals:
+            raise KeyboardInterrupt("raised by a callback")
+        for _ in range(self.signals):
+            os.kill(os.getpid(), signal.SIGINT)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("signals", [1, 2], ids=["ctrl_c", "ctrl_c_twice"])
+def test_sigint_from_a_callback_mid_epoch_stops_after_that_step(tmp_path, signals: int) -> None:
+    """Step 6 is the second step of epoch 1 (4 steps per epoch). A second Ctrl-C stops at
+    once, outside the step, with the same consistent state."""
+    strategy = jd.MirroredStrategy()
+    x, y = _data()
+    step = _nnx_step(strategy)
+    model, opt = _make(strategy)
+    ckpt = jd.training.Checkpoint(tmp_path, every_n_steps=4, every_epoch=False)
+    with pytest.raises(jd.training.FitInterrupted, match=r"stopped by Ctrl-C after step 6 ") as e:
+        jd.fit(
+            step,
+            model,
+            opt,
+            data=jd.data.from_arrays(x, y, batch_size=BATCH),
+            epochs=3,
+            callbacks=[ckpt, _InterruptAt(6, signals=signals)],
+            verbose=False,
+        )
+    if signals == 2:
+        assert "second Ctrl-C" in str(e.value.__cause__)
+    else:
+        assert e.value.__cause__ is None
+    assert e.value.history.step == 6 and e.value.history.epochs == [0]  # epoch 1 unfinished
+    assert int(opt.step.get_value()) == 6
+    ref, ref_opt = _make(strategy)
+    jd.fit(step, ref, ref_opt, data=jd.data.from_arrays(x, y, batch_size=BATCH), steps=6)
+    _assert_same_params(model, ref)
+    assert ckpt.all_steps() == [4]
+    ckpt.close()
+    back, back_opt = _make(strategy)
+    restored = jd.training.restore_checkpoint(tmp_path, back, back_opt)
+    assert (restored.step, restored.epoch) == (4, 1)
+    ref, ref_opt = _make(strategy)
+    jd.fit(step, ref, ref_opt, data=jd.data.from_arrays(x, y, batch_size=BATCH), steps=4)
+    _assert_same_params(back, ref)
+
+
+@pytest.mark.timeout(120)
+def test_keyboard_interrupt_from_a_callback_hands_back_the_functional_state(tmp_path) -> None:
+    strategy = jd.MirroredStrategy(jax.devices()[:2])
+    step = _functional_step(strategy)
+    data = jd.data.from_arrays(*_data(), batch_size=BATCH)
+    ckpt = jd.training.Checkpoint(tmp_path, every_n_steps=5, every_epoch=False)
+    with pytest.raises(
+        jd.training.FitInterrupted,
+        match=r"stopped by a KeyboardInterrupt after step 6 \(epoch 1\); the state is that of "
+        r"the last completed step",
+    ) as e:
+        jd.fit(
+            step,
+            _linen_like_state(strategy),
+            data=data,
+            epochs=3,
+            callbacks=[ckpt, _InterruptAt(6)],
+            verbose=False,
+        )
+    assert str(e.value.__cause__) == "raised by a callback"
+    state = e.value.state
+    assert isinstance(state, jd.TrainState) and int(state.step) == 6
+    assert not any(v.is_deleted() for v in jax.tree.leaves(state))
+    ref, _ = jd.fit(step, _linen_like_state(strategy), data=data, steps=6, verbose=False)
+    jax.tree.map(np.testing.assert_array_equal, state.params, ref.params)
+    # The last checkpoint (step 5) is whole and restores that step's state.
+    assert ckpt.all_steps() == [5]
+    ckpt.close()
+    restored = jd.training.restore_checkpoint(tmp_path, _linen_like_state(strategy))
+    assert (restored.step, restored.epoch) == (5, 1)
+    ref, _ = jd.fit(step, _linen_like_state(strategy), data=data, steps=5, verbose=False)
+    jax.tree.map(np.testing.assert_array_equal, restored.state.params, ref.params)
+    assert int(restored.state.step) == 5
+
+
+def test_keyboard_interrupt_inside_a_step_is_not_taken_for_a_clean_stop() -> None:
+    """Inside a step the state may be donated and not yet written back: fit re-raises the
+    interrupt as it is, without claiming a consistent state."""
+    strategy = jd.MirroredStrategy(jax.devices()[:2])
+
+    @jd.train_step(strategy)
+    def step(ctx, state, batch):
+        raise KeyboardInterrupt("inside the step")
+
+    with pytest.raises(KeyboardInterrupt, match="inside the step") as e:
+        jd.fit(step, {"w": jnp.zeros(2)}, data=jd.data.from_arrays(*_data(), batch_size=BATCH))
+    assert not isinstance(e.value, jd.training.FitInterrupted)
+
+
+def test_bar_on_a_terminal_that_reports_no_size() -> None:
+    """A pseudo terminal of size 0 x 0 (as CI runners give) is a terminal: "auto" draws the
+    bar, and it is drawn (tqdm alone hides a bar on a terminal of 0 lines)."""
+    from jaxdist.training.progress import Progress, want_bar
+
+    master, slave = pty.openpty()
+    with os.fdopen(slave, "w") as stream:
+        assert os.get_terminal_size(stream.fileno()) == (0, 0)
+        assert want_bar("auto", stream, "fit")
+        display = Progress(bar=True, verbose=True, epochs=2, stream=stream)
+        display.epoch_begin(0, 4)
+        display.epoch_end(0, 4, {"loss": 0.25}, 1234.0, 0.1)
+        display.close()
+        stream.flush()
+        out = os.read(master, 65536).decode()
+    os.close(master)
+    assert re.search(r"epoch 1/2: 100%\|.*\| 4/4 .*loss 0\.2500  1,234 examples/s", out), out

@@ -367,3 +367,18 @@ def test_partial_batch_policies_for_dataset_fn() -> None:
     strict = jd.InputOptions(partial_batches="error")
     with pytest.raises(ValueError, match=r"a batch of 2 rows is smaller than the full 4 rows"):
         list(s.distribute_datasets_from_function(dataset_fn, strict))
+
+
+def test_batches_do_not_share_memory_with_the_source() -> None:
+    """A generator reusing one host buffer: every batch keeps the values it was given
+    (the CPU backend may otherwise wrap the buffer without copying it)."""
+    buf = np.zeros((64, 16), np.float32)
+
+    def gen():
+        for i in range(3):
+            buf[:] = i
+            yield buf
+
+    s = jd.MirroredStrategy()
+    got = [float(np.asarray(b.array).mean()) for b in s.experimental_distribute_dataset(gen())]
+    assert got == [0.0, 1.0, 2.0]

@@ -5,6 +5,11 @@ JAX (tests/launch_scripts/launch_child.py); each takes a few seconds at most. Th
 launcher file is run directly (``python -P jaxdist/launch.py``), which behaves as
 ``python -m jaxdist.launch`` without importing jax into every launcher (tested
 separately); one end-to-end test runs a `jax.distributed` psum over 2 x 2 devices.
+
+The last tests start real MultiWorkerMirroredStrategy jobs (2 processes x 4 devices,
+training with gloo collectives, tests/mp_scripts/launched_training.py) through
+``python -m jaxdist.launch``: one process killed from outside mid-training, and a
+job that fails once and completes after ``--max-restarts 1``.
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ LAUNCH = ROOT / "jaxdist" / "launch.py"
 SCRIPTS = Path(__file__).resolve().parent / "launch_scripts"
 CHILD = SCRIPTS / "launch_child.py"
 PSUM = SCRIPTS / "launch_jax_psum.py"
+TRAINING = Path(__file__).resolve().parent / "mp_scripts" / "launched_training.py"
 LINUX = sys.platform.startswith("linux")
 
 
@@ -54,6 +60,21 @@ def _alive(pid: int) -> bool:
     return True
 
 
+def _session_members(sessions: list[int]) -> list[int]:
+    """Live processes (not zombies) in any of these sessions: whatever a job process started."""
+    members = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_bytes()
+            except OSError:  # gone meanwhile
+                continue
+            state, _, _, session = stat[stat.rindex(b")") + 2 :].split()[:4]
+            if int(session) in sessions and state not in (b"Z", b"X"):
+                members.append(int(entry.name))
+    return members
+
+
 def _wait_dead(pids: list[int], timeout: float) -> list[int]:
     """The pids still alive after waiting up to ``timeout`` seconds for all to end."""
     deadline = time.monotonic() + timeout
@@ -65,8 +86,18 @@ def _wait_dead(pids: list[int], timeout: float) -> list[int]:
 class Launcher:
     """A launcher process whose output is read in the background, killed with all it reported."""
 
-    def __init__(self, *args: str | Path, env: dict[str, str] | None = None, **kw: Any) -> None:
-        cmd = [sys.executable, "-P", str(LAUNCH), *map(str, args)]
+    def __init__(
+        self,
+        *args: str | Path,
+        env: dict[str, str] | None = None,
+        module: bool = False,
+        **kw: Any,
+    ) -> None:
+        """Runs ``python -P jaxdist/launch.py ARGS``; ``python -m jaxdist.launch`` if ``module``."""
+        entry = ["-m", "jaxdist.launch"] if module else ["-P", str(LAUNCH)]
+        if module:
+            kw.setdefault("cwd", ROOT)
+        cmd = [sys.executable, *entry, *map(str, args)]
         self.proc = subprocess.Popen(
             cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, **kw
         )
@@ -124,11 +155,14 @@ class Launcher:
                 pipe.close()
 
     def job_pids(self) -> list[int]:
+        """The pids the job's processes reported: their own, and their helpers'."""
         pids = []
         for line in self.lines["out"]:
             if "READY " in line:
                 report = json.loads(line.split("READY ", 1)[1])
                 pids += [report["pid"]] + ([report["helper"]] if report["helper"] else [])
+            elif m := re.fullmatch(r"\[\d+\] (?:STARTED|HELPER) (\d+)\n?", line):
+                pids.append(int(m[1]))
         return pids
 
     def kill_all(self) -> None:
@@ -702,3 +736,74 @@ def test_jax_distributed_psum_across_two_processes(launcher: type[Launcher]) -> 
     assert [(rank, devices) for rank, _, devices in found] == [("0", "4"), ("1", "4")]
     for _, value, _ in found:
         assert abs(float(value) - expected) <= 1e-6 * expected
+
+
+# -- MultiWorkerMirroredStrategy jobs ------------------------------------------------------
+
+
+def _training_env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("JAXDIST_", "JAX_", "XLA_"))}
+    env["JAXDIST_HEARTBEAT_TIMEOUT"] = "10"  # the fallback if the launcher could not stop them
+    return env
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(150)
+@pytest.mark.skipif(not LINUX, reason="reads /proc")
+def test_mwms_job_with_a_process_killed_mid_training(launcher: type[Launcher]) -> None:
+    job = launcher(
+        "--nprocs", "2", "--devices-per-proc", "4", "--kill-timeout", "5",
+        TRAINING, "1000000", "--spawn-helper",
+        env=_training_env(), module=True,
+    )  # fmt: skip
+    started = job.wait_for(r"^\[\d\] STARTED \d+$", 2, timeout=100)
+    job.wait_for(r"^\[\d\] HELPER \d+$", 2, timeout=10)
+    job.wait_for(r"^\[\d\] STEP 20$", 2, timeout=60)  # training: collectives in flight
+    victim = next(int(line.split()[-1]) for line in started if line.startswith("[1] "))
+    pids = job.job_pids()
+    assert len(pids) == 4 and all(map(_alive, pids))  # 2 processes and the helper each started
+    os.kill(victim, signal.SIGKILL)
+    killed_at = time.monotonic()
+    rc, _, err = job.finish(timeout=60)
+    elapsed = time.monotonic() - killed_at  # about --kill-timeout: JAX takes SIGTERM as a notice
+    assert elapsed < 60, elapsed
+    assert rc == 128 + signal.SIGKILL, err[-3000:]
+    assert (
+        "jaxdist.launch: process 1 was killed by signal SIGKILL (first failure); "
+        "stopped the other 1 process.\n"
+    ) in err
+    assert _wait_dead(pids, 5) == []
+    assert _session_members(pids) == []  # nothing they started is left either
+
+
+def _expected_w(steps: int) -> float:
+    """The weight launched_training.py trains, computed in NumPy (float32, like the job)."""
+    x = np.arange(1, 9, dtype=np.float32)
+    w = np.float32(0.0)
+    for _ in range(steps):
+        w = np.float32(w - np.float32(0.01) * np.mean((w * x - 1.0) * x, dtype=np.float32))
+    return float(w)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(150)
+def test_mwms_job_that_fails_once_completes_after_a_restart(launcher: type[Launcher]) -> None:
+    steps = 40
+    job = launcher(
+        "--nprocs", "2", "--devices-per-proc", "4", "--kill-timeout", "5", "--max-restarts", "1",
+        TRAINING, str(steps), "--fail-first-start",
+        env=_training_env(), module=True,
+    )  # fmt: skip
+    rc, out, err = job.finish(timeout=140)
+    assert rc == 0, err[-3000:]
+    # The first attempt trained (step 0 is a collective), then process 1 raised at step 5.
+    assert len(re.findall(r"^\[\d\] STEP 0$", out, re.M)) == 4, out[-3000:]
+    assert "[1] RuntimeError: failing on purpose" in err
+    assert "jaxdist.launch: process 1 exited with code 1 (first failure)" in err
+    assert re.search(r"jaxdist.launch: restarting all 2 processes \(restart 1 of 1, ", err)
+    done = re.findall(r"^\[(\d)\] DONE (\d) (\S+)$", out, re.M)
+    assert sorted(rank for rank, _, _ in done) == ["0", "1"], out[-3000:]
+    for _, restart, w in done:
+        assert restart == "1"
+        np.testing.assert_allclose(float(w), _expected_w(steps), rtol=1e-5)
+    assert _wait_dead(job.job_pids(), 5) == []

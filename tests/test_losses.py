@@ -66,14 +66,33 @@ def test_traced_global_batch_size_is_used_as_is() -> None:
         (10.0, r"compute_average_loss: global_batch_size must be an integer, got 10\.0"),
         (np.float32(8), r"global_batch_size must be an integer"),
         (True, r"global_batch_size must be an integer, got True"),
-        (-1, r"compute_average_loss: global_batch_size must be positive, got -1"),
-        (0, r"global_batch_size must be positive, got 0\. Pass the number of examples"),
-        (jnp.int32(0), r"global_batch_size must be positive, got 0"),
+        (-1, r"compute_average_loss: global_batch_size must be non-negative, got -1\. Pass"),
+        (np.int64(-3), r"global_batch_size must be non-negative, got -3"),
+        (jnp.int32(-2), r"global_batch_size must be non-negative, got -2"),
     ],
 )
 def test_invalid_global_batch_size(size: Any, match: str) -> None:
     with pytest.raises(ValueError, match=match):
         compute_average_loss([1.0, 2.0, 3.0, 4.0, 5.0], global_batch_size=size)
+
+
+@pytest.mark.parametrize("size", [0, np.int32(0), jnp.int32(0)])
+def test_zero_global_batch_size_gives_zero(size: Any) -> None:
+    # TF divides with div_no_nan: an empty global batch has a zero loss, not NaN.
+    loss = compute_average_loss(jnp.array([1.0, 2.0, 3.0, 4.0, 5.0]), global_batch_size=size)
+    assert float(loss) == 0.0
+
+
+def test_empty_batch_gives_zero(strategy: jd.Strategy) -> None:
+    empty = jnp.zeros((0,), jnp.float32)
+    assert float(compute_average_loss(empty)) == 0.0
+    assert float(_sum_over_replicas(strategy, compute_average_loss, empty)) == 0.0
+    with strategy.scope():
+        for weight in (2.0, empty):
+            total = _sum_over_replicas(strategy, compute_average_loss, empty, sample_weight=weight)
+            assert float(total) == 0.0
+    grad = jax.grad(lambda w: compute_average_loss(w * empty))(1.0)
+    assert float(grad) == 0.0  # finite: no 0/0 in the backward pass either
 
 
 def test_rank_0_loss_is_refused() -> None:

@@ -83,7 +83,8 @@ def _train_plain(dtype: Any, epochs: int) -> tuple[list[float], nnx.Module]:
 def test_bfloat16_compute_tracks_float32_and_keeps_float32_weights() -> None:
     reference, _ = _train_plain(jnp.float32, epochs=3)
     losses, model = _train_plain(jnp.bfloat16, epochs=3)
-    assert all(p.dtype == np.float32 for p in _params(model))
+    assert all(p.dtype == np.float32 for p in _params(model))  # master weights after updates
+    assert model.l1.kernel.get_raw_value().sharding.is_fully_replicated
     assert model(jnp.ones((2, _FEATURES))).dtype == jnp.bfloat16
     assert losses[-1] < 0.6 * losses[0]  # it trains
     # bfloat16 rounds activations to 8 bits of mantissa (relative error 2**-9 per op);
@@ -239,7 +240,10 @@ def test_checking_after_the_all_reduce_costs_no_collective() -> None:
 # Loss scaling in a train step -----------------------------------------------------
 
 
-def _scaled_step(strategy: jd.Strategy) -> Any:
+def _scaled_step(strategy: jd.Strategy, check: str = "after") -> Any:
+    """The documented loss-scaled step; ``check="before"`` tests each replica's own gradients
+    before the all-reduce (`all_finite` then all-reduces the decision)."""
+
     @jd.train_step(strategy)
     def step(
         ctx: jd.ReplicaContext,
@@ -255,8 +259,13 @@ def _scaled_step(strategy: jd.Strategy) -> Any:
             return loss_scale.scale(loss), loss
 
         (_, loss), grads = nnx.value_and_grad(loss_fn, has_aux=True)(model)
-        grads = ctx.all_reduce("sum", loss_scale.unscale(grads))
-        finite = all_finite(grads)
+        grads = loss_scale.unscale(grads)
+        if check == "before":
+            finite = all_finite(grads)
+            grads = ctx.all_reduce("sum", grads)
+        else:
+            grads = ctx.all_reduce("sum", grads)
+            finite = all_finite(grads)
         old = jax.tree.map(lambda v: v, nnx.state((model, opt)))  # a snapshot
         opt.update(model, grads)
         nnx.update((model, opt), select_tree(finite, nnx.state((model, opt)), old))
@@ -270,20 +279,25 @@ def _distributed(strategy: jd.Strategy, x: np.ndarray, y: np.ndarray, batch: int
 
 
 @pytest.mark.timeout(120)
-def test_overflow_skips_the_update_and_halves_the_scale() -> None:
+@pytest.mark.parametrize("check", ["after", "before"])
+def test_overflow_skips_the_update_and_halves_the_scale(check: str) -> None:
     strategy = jd.MirroredStrategy()
     model = _MLP(jnp.float16, nnx.Rngs(0))
     opt = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
-    step = _scaled_step(strategy)
+    step = _scaled_step(strategy, check)
     ls = DynamicLossScale(loss_scale=2.0**10, period=2)
     x, y = _data()
-    x, y = x[:64].copy(), y[:64]
+    x, y = x[:64], y[:64]
     clean = next(iter(_distributed(strategy, x, y, 64)))
-    x[21, 0] = np.inf  # one example, on replica 2 of 8, overflows
-    poisoned = next(iter(_distributed(strategy, x, y, 64)))
+    # A new array, not x changed in place: on CPU a batch may share memory with its source.
+    bad = x.copy()
+    bad[21, 0] = np.inf  # one example, on replica 2 of 8, overflows
+    poisoned = next(iter(_distributed(strategy, bad, y, 64)))
 
     before, opt_before = _params(model), [np.asarray(a) for a in jax.tree.leaves(nnx.state(opt))]
     ls, _ = step(model, opt, ls, poisoned)
+    # One decision for all replicas: the scale comes back as one replicated copy.
+    assert isinstance(ls.loss_scale, jax.Array) and ls.loss_scale.sharding.is_fully_replicated
     assert float(ls.loss_scale) == 2.0**9 and int(ls.counter) == 0
     for a, b in zip(_params(model), before, strict=True):
         np.testing.assert_array_equal(a, b)

@@ -62,6 +62,45 @@ def test_notebook_is_stored_without_outputs(name: str) -> None:
     assert nb["metadata"]["kernelspec"]["language"] == "python"
 
 
+def test_notebooks_are_valid_nbformat() -> None:
+    (nbformat,) = _require("nbformat")
+    for each in NAMES:
+        nb = nbformat.read(_path(each), as_version=4)
+        nbformat.validate(nb)  # raises ValidationError naming the bad field
+        ids = [cell.get("id") for cell in nb.cells]
+        assert len(set(ids)) == len(ids), f"notebooks/{each}.ipynb: duplicate cell ids {ids}"
+
+
+# What each notebook must show with the public API (found in its code cells), and what no
+# notebook may say any more.
+USES = {
+    "quickstart": ("jd.train_step(", "jd.compute_average_loss(", "jd.fit("),
+    "migrating_from_tf_distribute": (
+        "jd.compute_average_loss(",
+        "jd.scale_regularization_loss(",
+        "jd.fit(",
+        "jd.training.EarlyStopping(",
+        "jd.MultiWorkerMirroredStrategy()",
+        "jd.experimental.CommunicationOptions(",
+    ),
+    "scaling": ("jd.accumulate_gradients(", "jd.compute_average_loss("),
+}
+STALE = ("not public yet", "not part of jaxdist's public API")
+
+
+@pytest.mark.parametrize("name", sorted(USES))
+def test_notebook_shows_the_public_api(name: str) -> None:
+    nb = _load(name)
+    code = "\n".join("".join(c["source"]) for c in nb["cells"] if c["cell_type"] == "code")
+    text = "\n".join("".join(c["source"]) for c in nb["cells"])
+    missing = [u for u in USES[name] if u not in code]
+    assert not missing, f"notebooks/{name}.ipynb: no code cell calls {missing}"
+    stale = [s for s in STALE if s in text]
+    assert not stale, f"notebooks/{name}.ipynb still says {stale}"
+    if name == "migrating_from_tf_distribute":
+        assert "python -m jaxdist.launch --nprocs 2" in text
+
+
 def _require(*modules: str) -> list[Any]:
     """The modules, imported; a missing one fails the test and names the extra to install."""
     found = []

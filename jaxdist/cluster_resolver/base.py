@@ -32,6 +32,7 @@ __all__ = [
 COLLECTIVE_JOBS = ("chief", "worker")
 
 _SCHEME = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
+_HOST = re.compile(r"[A-Za-z0-9_.-]+|\[[0-9A-Fa-f:.]+(?:%[A-Za-z0-9_.-]+)?\]")
 _GPU_PLATFORMS = {"gpu": "GPU", "cuda": "GPU", "rocm": "GPU"}
 
 
@@ -60,6 +61,12 @@ def split_host_port(address: str, where: str) -> tuple[str, int]:
             f"{where}: the coordinator address {address!r} is not 'host:port' with a port in "
             "1..65535; give the chief (or worker 0) an address such as '10.0.0.1:2222' (IPv6: "
             "'[fe80::1]:2222')."
+        )
+    if not _HOST.fullmatch(host):
+        raise ValueError(
+            f"{where}: in the coordinator address {address!r}, {host!r} is not a host name or "
+            "an IP address (IPv6 in brackets); give one address such as '10.0.0.1:2222', not "
+            "a list."
         )
     return host, int(port)
 

@@ -8,11 +8,14 @@ after every epoch. Without an accelerator, 8 CPU devices are simulated.
 Run with ``make demo`` or::
 
     python -m jaxdist.examples.digits [--strategy one_device|mirrored|central_storage]
-        [--devices N] [--epochs E] [--batch-size B] [--seed S] [--no-progress]
+        [--devices N] [--epochs E] [--batch-size B] [--learning-rate LR] [--seed S]
+        [--no-progress]
 
-It prints the held-out accuracy (>= 97% with the defaults) and the training
-throughput. Needs ``pip install 'jaxdist[examples]'`` (flax, optax,
-scikit-learn, tqdm).
+It shows a progress bar per epoch on a terminal (one line per epoch
+otherwise, or with ``--no-progress``), then prints the held-out accuracy
+(>= 97% with the defaults, in about 15 s on 2 CPU cores) and the training
+throughput. A bad flag or value is a usage error (exit status 2). Needs
+``pip install 'jaxdist[examples]'`` (flax, optax, scikit-learn, tqdm).
 """
 
 from __future__ import annotations
@@ -51,13 +54,22 @@ def load_digits() -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
 
 
 class CNN(nnx.Module):
-    """Two 3x3 convolutions, a 2x2 max-pool and two dense layers: 8x8x1 -> 10 logits."""
+    """Two 3x3 convolutions, a 2x2 max-pool and two dense layers: 8x8x1 -> 10 logits.
 
-    def __init__(self, rngs: nnx.Rngs) -> None:
-        self.conv1 = nnx.Conv(1, 32, kernel_size=(3, 3), rngs=rngs)
-        self.conv2 = nnx.Conv(32, 64, kernel_size=(3, 3), rngs=rngs)
-        self.dense1 = nnx.Linear(64 * 4 * 4, 128, rngs=rngs)
-        self.dense2 = nnx.Linear(128, 10, rngs=rngs)
+    Args:
+        rngs: the initialization streams.
+        features: output channels of the two convolutions.
+        hidden: width of the first dense layer.
+    """
+
+    def __init__(
+        self, rngs: nnx.Rngs, *, features: tuple[int, int] = (32, 64), hidden: int = 128
+    ) -> None:
+        c1, c2 = features
+        self.conv1 = nnx.Conv(1, c1, kernel_size=(3, 3), rngs=rngs)
+        self.conv2 = nnx.Conv(c1, c2, kernel_size=(3, 3), rngs=rngs)
+        self.dense1 = nnx.Linear(c2 * 4 * 4, hidden, rngs=rngs)
+        self.dense2 = nnx.Linear(hidden, 10, rngs=rngs)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         x = nnx.relu(self.conv1(x))
@@ -67,9 +79,19 @@ class CNN(nnx.Module):
 
 
 def make_strategy(name: str, devices: int | None) -> jd.Strategy:
-    """The strategy ``name`` over the first ``devices`` devices (all of them when None)."""
+    """The strategy ``name`` over the first ``devices`` devices (all of them when None).
+
+    Raises:
+        ValueError: for more devices than present, or ``one_device`` with more than one.
+    """
     available = jax.devices()
     n = len(available) if devices is None else devices
+    if name == "one_device" and devices is not None and devices != 1:
+        raise ValueError(
+            f"digits: --strategy one_device trains on one device, but --devices {devices} was "
+            "given. Drop --devices (or pass --devices 1), or use --strategy mirrored or "
+            "central_storage for several devices."
+        )
     if n > len(available):
         raise ValueError(
             f"digits: --devices {n} asks for more devices than the {len(available)} "
@@ -115,7 +137,7 @@ def build_steps(strategy: jd.Strategy) -> tuple[Any, Any]:
     return train_step, eval_step
 
 
-def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m jaxdist.examples.digits",
         description="Train a small CNN on scikit-learn's digits with jaxdist.fit.",
@@ -132,11 +154,24 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--learning-rate", type=float, default=3e-3)
     parser.add_argument("--seed", type=int, default=0, help="initialization and shuffling seed")
     parser.add_argument("--no-progress", action="store_true", help="one line per epoch, no bar")
+    return parser
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    """The command line's options; a bad flag or value exits with a usage error (status 2)."""
+    parser = _parser()
     args = parser.parse_args(argv)
     for name in ("devices", "epochs", "batch_size"):
         value = getattr(args, name)
         if value is not None and value < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+    if not args.learning_rate > 0:
+        parser.error(f"--learning-rate must be > 0, got {args.learning_rate}")
+    if args.strategy == "one_device" and args.devices not in (None, 1):
+        parser.error(
+            f"--strategy one_device trains on one device; drop --devices {args.devices} or use "
+            "--strategy mirrored or central_storage"
+        )
     return args
 
 
@@ -144,7 +179,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, float]:
     """Trains and evaluates; returns the final test accuracy, throughput and wall time."""
     args = parse_args(argv)
     start = time.perf_counter()
-    strategy = make_strategy(args.strategy, args.devices)
+    try:
+        strategy = make_strategy(args.strategy, args.devices)
+    except ValueError as e:  # more devices than present: a usage error, not a traceback
+        _parser().error(str(e).removeprefix("digits: "))
     x_train, y_train, x_test, y_test = load_digits()
     device = strategy.extended.worker_devices[0]
     print(

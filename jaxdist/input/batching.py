@@ -19,6 +19,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -92,6 +93,11 @@ def replica_layout(
         )
     ranks = sorted(processes)
     return Layout(n, tuple(sorted(local)), len(ranks), ranks.index(me))
+
+
+def _numeric(dtype: np.dtype) -> bool:
+    """Whether JAX can hold arrays of ``dtype`` (numbers, bfloat16 and friends, bool)."""
+    return dtype == np.bool_ or bool(jnp.issubdtype(dtype, jnp.number))
 
 
 class Batcher:
@@ -176,6 +182,14 @@ class Batcher:
                     "the dataset."
                 )
             arr = np.asarray(x)
+            if self.options.experimental_fetch_to_device and not _numeric(arr.dtype):
+                raise TypeError(
+                    f"{self.where}: leaf {name} of a {kind} is an array of dtype {arr.dtype} "
+                    f"(shape {arr.shape}), which cannot be placed on the devices: only numeric "
+                    "and bool arrays can. Encode it as numbers in the dataset (for example "
+                    "token or class ids), drop it from the batches, or pass "
+                    "InputOptions(experimental_fetch_to_device=False) to get host NumPy batches."
+                )
             if arr.ndim == 0:
                 raise ValueError(
                     f"{self.where}: leaf {name} of a {kind} is a scalar; every leaf needs a "

@@ -20,6 +20,10 @@ over through `queue.SimpleQueue`s (C-level queues): one for batches, one for
 the *credits* that bound how far it runs ahead. A stalled iterator holds at
 most ``buffer`` batches on the devices beyond the one returned, and
 ``max(HOST_QUEUE, buffer) + 1`` on the host.
+
+Several threads may share one iterator (a lock serializes ``next``): each
+batch goes to exactly one of them, and at the end every one of them gets
+``StopIteration``.
 """
 
 from __future__ import annotations
@@ -178,6 +182,7 @@ class DistributedIterator:
     """
 
     def __init__(self, producer: Producer, batcher: Batcher, *, threaded: bool = True) -> None:
+        self._lock = threading.Lock()  # consumers in several threads take turns
         self._batcher = batcher
         self._peeked: Any = _END
         self._done = False
@@ -249,12 +254,13 @@ class DistributedIterator:
             warnings.warn(pending.pop(0), UserWarning, stacklevel=3)
 
     def __next__(self) -> Any:
-        if self._peeked is not _END:
-            item, self._peeked = self._peeked, _END
-            return item
-        item = self._pull()
-        if self._batcher.pending:
-            self._warn()
+        with self._lock:
+            if self._peeked is not _END:
+                item, self._peeked = self._peeked, _END
+                return item
+            item = self._pull()
+            if self._batcher.pending:
+                self._warn()
         if item is _END:
             raise StopIteration
         return item
@@ -274,19 +280,23 @@ class DistributedIterator:
     def element_spec(self) -> Any:
         """The elements' structure as `jax.ShapeDtypeStruct`s with shardings, for compiling a
         step ahead of time (``strategy.function(step).lower(state, it.element_spec)``)."""
-        if self._peeked is _END:
-            self._peeked = self._pull()
+        with self._lock:
             if self._peeked is _END:
-                raise ValueError("DistributedIterator.element_spec: the dataset is empty.")
-        return self._batcher.spec(self._peeked)
+                self._peeked = self._pull()
+                if self._peeked is _END:
+                    raise ValueError("DistributedIterator.element_spec: the dataset is empty.")
+            return self._batcher.spec(self._peeked)
 
     def close(self) -> None:
-        """Stops the prefetch thread (also done when the iterator is garbage collected)."""
+        """Stops the prefetch thread (also done when the iterator is garbage collected); a
+        ``next`` waiting in another thread then ends with ``StopIteration``."""
         self._done = True
-        self._ahead.clear()
-        self._peeked = _END
         if self._thread is not None:
             self._thread.signal()
+            self._thread.items.put(_END)  # wakes a consumer waiting for the next batch
+        with self._lock:
+            self._ahead.clear()
+            self._peeked = _END
 
 
 class DistributedDataset:

@@ -82,6 +82,12 @@ def _check_source(dataset: Any, where: str) -> None:
         )
 
 
+def _owned(host: HostBatch) -> HostBatch:
+    """``host`` with every leaf that views another buffer copied into its own."""
+    leaves, counts = host
+    return [a if a.flags.owndata else np.array(a, copy=True) for a in leaves], counts
+
+
 def distribute_dataset(strategy: Strategy, dataset: Any, options: Any) -> DistributedDataset:
     where = f"{type(strategy).__name__}.experimental_distribute_dataset"
     layout = replica_layout(strategy)
@@ -100,11 +106,15 @@ def distribute_dataset(strategy: Strategy, dataset: Any, options: Any) -> Distri
             "distribute_datasets_from_function only."
         )
 
+    threaded = not _in_memory(dataset)
+
     def producer(batcher: Batcher) -> Iterator[HostBatch]:
         for batch in _iterate(dataset):
             host = batcher.from_global(batch)
             if host is not None:
-                yield host
+                # A queued batch must not be a view of the source's buffer: a generator may
+                # refill the same buffer for its next batch before this one is placed.
+                yield _owned(host) if threaded else host
 
     one_shot = None
     if _one_shot(dataset):
@@ -117,7 +127,7 @@ def distribute_dataset(strategy: Strategy, dataset: Any, options: Any) -> Distri
     return DistributedDataset(
         producer,
         lambda: Batcher(strategy, options, where, layout, warned),
-        threaded=not _in_memory(dataset),
+        threaded=threaded,
         one_shot=one_shot,
     )
 

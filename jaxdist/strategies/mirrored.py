@@ -7,7 +7,7 @@ from typing import Any
 
 from jaxdist.devices import resolve_devices
 from jaxdist.reduce import CrossDeviceOps
-from jaxdist.strategy import Strategy
+from jaxdist.strategy import AXIS_NAME, Strategy
 
 __all__ = ["MirroredStrategy"]
 
@@ -20,6 +20,11 @@ class MirroredStrategy(Strategy):
             or strings like ``"/gpu:0"``); ``None`` means every local device.
         cross_device_ops: how all-reduces are lowered; ``None`` means
             `NcclAllReduce` (one XLA all-reduce per packed buffer).
+        mesh_shape: lay the replicas out on a mesh of this shape (row-major
+            over ``devices``), e.g. ``(2, 4)``; ``None``: one axis.
+        axis_names: the names of the mesh axes, outermost first (default
+            ``("replica",)``); with several, the replica axis is all of them and
+            `HierarchicalCopyAllReduce` reduces within the innermost first.
 
     Example:
         >>> import jax, jaxdist as jd
@@ -33,7 +38,13 @@ class MirroredStrategy(Strategy):
         self,
         devices: Sequence[Any] | None = None,
         cross_device_ops: CrossDeviceOps | None = None,
+        *,
+        mesh_shape: tuple[int, ...] | None = None,
+        axis_names: tuple[str, ...] = (AXIS_NAME,),
     ) -> None:
         super().__init__(
-            resolve_devices(devices, where="MirroredStrategy(devices=...)"), cross_device_ops
+            resolve_devices(devices, where="MirroredStrategy(devices=...)"),
+            cross_device_ops,
+            mesh_shape=mesh_shape,
+            axis_names=axis_names,
         )

@@ -7,10 +7,67 @@ ICI/DCN fabric on TPU). The strategy's mesh has two axes, ``("host",
 ``r`` is local device ``r % L`` of process ``r // L``, every process owns a
 contiguous block of replicas, and a hierarchical reduction can reduce inside
 a process before crossing the network.
+
+Failures: a job that cannot make progress fails instead of hanging. What
+bounds each wait (measured with 2 CPU processes x 4 devices on localhost,
+gloo collectives, the survivor waiting in an all-reduce):
+
+======================================  ==================================================
+what happens                            what the other processes do
+======================================  ==================================================
+start-up: a process never connects      `jaxdist.initialize` raises after
+                                        ``initialization_timeout`` (300 s;
+                                        ``JAXDIST_INITIALIZATION_TIMEOUT``)
+a worker process dies (crash, OOM,      JAX's coordination service misses its heartbeats
+SIGKILL)                                and, ``heartbeat_timeout_seconds`` later (jaxdist:
+                                        20 s, ``JAXDIST_HEARTBEAT_TIMEOUT``; JAX's own:
+                                        100 s), ends every other process (SIGABRT,
+                                        "Terminating process because the JAX distributed
+                                        service detected fatal errors ... The following
+                                        tasks are unhealthy (stopped sending heartbeats):
+                                        1"). Measured: 20.5 s with 20 s, 10.7 s with 10 s
+process 0 dies (it hosts the            the others end at once (measured: 0.1 s): their
+coordination service)                   connection to the service breaks
+an uncaught exception in a process      that process exits at once, code 1 (see
+                                        `jaxdist.initialize`); the others as for a dead
+                                        process
+a process is alive but stuck (a hang,   its heartbeat goes on, so the others wait in their
+a skipped step, a long pause)           collective: on CPU up to XLA's collective timeout,
+                                        30 min by default
+======================================  ==================================================
+
+``CommunicationOptions(timeout_seconds=T)`` bounds every wait in a
+collective, stuck or dead peer alike: after ``T`` seconds the collective
+raises ``JaxRuntimeError`` ("Gloo all-reduce failed ... Timed out waiting
+T000ms for recv operation") and the process exits with code 1 (measured:
+5.1 s with T = 5, 8.1 s with T = 8). It is enforced on the CPU backend
+(XLA's ``--xla_cpu_collective_timeout_seconds``, a process-wide flag read
+when JAX's backend starts, so the strategy sets it as it starts
+`jax.distributed`); on GPU and TPU it is carried but not enforced, and the
+heartbeat still catches a dead process. As in TF it is a debugging aid: it
+must exceed the longest legitimate wait in a collective, such as the first
+step, where the processes wait for each other's compilation. ``None`` or
+``0`` keeps XLA's default.
+
+SIGTERM does not stop a process of a `jax.distributed` job: JAX's
+preemption service takes it as a preemption notice
+(`jax.experimental.multihost_utils.reached_preemption_sync_point`) and
+training goes on; SIGINT (a ``KeyboardInterrupt``: exit code 130) and
+SIGKILL stop it. Under ``python -m jaxdist.launch`` the first process to
+fail stops the whole job (SIGTERM, then SIGKILL after ``--kill-timeout``,
+default 5 s: measured, the launcher exited 5.4 s after one of its processes
+was killed), names that process and exits with its code; ``--max-restarts
+K`` starts the group again (``JAXDIST_RESTART_COUNT`` tells the script to
+resume from its checkpoint). A normal exit waits for the other processes at
+most ``shutdown_timeout_seconds`` (300 s; ``JAXDIST_SHUTDOWN_TIMEOUT``).
 """
 
 from __future__ import annotations
 
+import importlib
+import math
+import os
+import re
 from typing import Any
 
 import jax
@@ -21,6 +78,62 @@ from jaxdist.strategy import Strategy
 __all__ = ["MultiWorkerMirroredStrategy"]
 
 AXES = ("host", "local")
+_CPU_TIMEOUT_FLAG = "--xla_cpu_collective_timeout_seconds"
+_FLAG_PATTERN = re.compile(r"(?:^|\s)--xla_cpu_collective_timeout_seconds=(\S*)")
+
+
+def _flag_value(xla_flags: str) -> str | None:
+    """The last value XLA_FLAGS gives the CPU collective timeout (``None``: not set)."""
+    found = _FLAG_PATTERN.findall(xla_flags)
+    return found[-1] if found else None
+
+
+def _with_flag(xla_flags: str, seconds: int) -> str:
+    """``xla_flags`` with the CPU collective timeout set to ``seconds`` (replaced, or added)."""
+    kept = [f for f in xla_flags.split() if not f.startswith(_CPU_TIMEOUT_FLAG + "=")]
+    return " ".join([*kept, f"{_CPU_TIMEOUT_FLAG}={seconds}"])
+
+
+def _set_collective_timeout(timeout_seconds: float | None, where: str) -> None:
+    """Makes XLA's CPU collectives fail after ``timeout_seconds``.
+
+    The limit is a process-wide XLA flag read when JAX's backend starts, so it
+    is set in ``XLA_FLAGS`` before that; ``None`` or ``0`` leaves XLA's default.
+    Once the backend runs, the same limit is accepted and another one raises.
+
+    Raises:
+        RuntimeError: JAX's backend already started with another limit.
+    """
+    # The package exports the function `initialize`; the module holds the backend probe.
+    init_mod = importlib.import_module("jaxdist.cluster_resolver.initialize")
+    if not timeout_seconds:
+        return
+    seconds = max(1, math.ceil(timeout_seconds))
+    flags = os.environ.get("XLA_FLAGS", "")
+    if _flag_value(flags) == str(seconds):
+        return
+    if init_mod._backends_initialized():
+        current = _flag_value(flags)
+        now = "XLA's default (1800 s)" if current is None else f"{current} s"
+        raise RuntimeError(
+            f"{where}: CommunicationOptions(timeout_seconds={timeout_seconds!r}) becomes XLA's "
+            f"CPU collective timeout ({_CPU_TIMEOUT_FLAG}), which is read once, "
+            f"when JAX's backend starts; it has started with {now}. Create the strategy "
+            "before anything touches devices (jax.devices(), an array, a computation), or "
+            f"start the program with XLA_FLAGS='{_CPU_TIMEOUT_FLAG}={seconds}'."
+        )
+    os.environ["XLA_FLAGS"] = _with_flag(flags, seconds)
+
+
+def _several_processes(resolver: Any) -> bool:
+    """Whether ``resolver`` describes a job of several JAX processes (as `initialize` decides)."""
+    from jaxdist.cluster_resolver.base import COLLECTIVE_JOBS
+
+    if not resolver.cluster_spec():
+        return False
+    if resolver.task_type is not None and resolver.task_type not in COLLECTIVE_JOBS:
+        return False
+    return int(resolver.jax_initialize_kwargs()["num_processes"]) > 1
 
 
 def _grid() -> tuple[list[jax.Device], int, int]:
@@ -53,11 +166,20 @@ class MultiWorkerMirroredStrategy(Strategy):
             devices (as in TF), so a script runs unchanged on a laptop.
         communication_options: a `jaxdist.experimental.CommunicationOptions`
             choosing the collective structure (``implementation``: ``AUTO``/``NCCL``
-            one all-reduce, ``RING`` reduce-scatter + all-gather) and packing
-            (``bytes_per_pack``).
+            one all-reduce, ``RING`` reduce-scatter + all-gather), packing
+            (``bytes_per_pack``) and, on CPU, how long a collective may wait for
+            the other processes (``timeout_seconds``; see the module docstring).
 
     Creating it starts `jax.distributed` (once per process, before anything
-    else touches the devices) when the cluster has several processes.
+    else touches the devices) when the cluster has several processes; see
+    the module docstring for how a failed or stuck process ends the job.
+
+    Raises:
+        TypeError: ``cluster_resolver`` or ``communication_options`` has the wrong type.
+        ValueError: the processes have different device counts, or the
+            resolver's cluster is inconsistent.
+        RuntimeError: JAX's backend started before a multi-process job could
+            join its cluster or set ``timeout_seconds``.
 
     Example:
         >>> import jaxdist as jd
@@ -90,6 +212,8 @@ class MultiWorkerMirroredStrategy(Strategy):
             )
         resolver = cluster_resolver if cluster_resolver is not None else resolve_default()
         if resolver is not None:
+            if _several_processes(resolver):
+                _set_collective_timeout(communication_options.timeout_seconds, where)
             initialize(resolver)
         devices, processes, local = _grid()
         ops: CrossDeviceOps = cross_device_ops_for(communication_options, AXES)

@@ -98,9 +98,10 @@ class Callback:
     and `on_train_end`. ``self.loop`` is the running `FitLoop`.
 
     `on_train_end` runs when training ends with a consistent state: after the
-    last epoch, after ``stop_training``, and after Ctrl-C (with
-    ``loop.interrupted`` set). `close` runs last in every case, errors
-    included; release resources there.
+    last epoch, after ``stop_training``, and after Ctrl-C or a
+    ``KeyboardInterrupt`` raised outside a step (with ``loop.interrupted``
+    set). `close` runs last in every case, errors included; release resources
+    there.
 
     Example:
         >>> import jaxdist as jd
@@ -133,7 +134,7 @@ class Callback:
         """After ``epoch``'s last step and its evaluation."""
 
     def on_train_end(self, logs: dict[str, float]) -> None:
-        """After the last step (also after Ctrl-C, not after an error)."""
+        """After the last step (also after Ctrl-C, not after any other error)."""
 
     def close(self) -> None:
         """Releases resources; called once at the end of `fit` in every case."""

@@ -32,8 +32,11 @@ writes its state back (a step donates its input buffers, so stopping between
 its dispatch and its write-back would lose the state), then `fit` stops,
 waits for checkpoint writes in progress, and raises `FitInterrupted` (a
 ``KeyboardInterrupt``) carrying the history so far and the functional state.
-A second Ctrl-C outside a step raises ``KeyboardInterrupt`` at once (to leave
-a data pipeline that hangs). The handler is in place only while `fit` runs,
+A second Ctrl-C outside a step stops at once (to leave a data pipeline that
+hangs), and a ``KeyboardInterrupt`` raised outside a step by other code (a
+callback, the data pipeline, an evaluation step) stops the same way: both end
+in `FitInterrupted` with the state of the last completed step, the original
+exception as its ``__cause__``. The handler is in place only while `fit` runs,
 and only when it runs in the main thread (where Python delivers signals); the
 previous handler is put back afterwards, also after errors.
 """
@@ -103,6 +106,9 @@ class History:
 class FitInterrupted(KeyboardInterrupt):
     """Raised by `fit` after Ctrl-C, once the step in progress has completed.
 
+    Also raised for a ``KeyboardInterrupt`` from code outside a step (a callback,
+    the data pipeline), which is then its ``__cause__``.
+
     The NNX objects passed to `fit` hold the state after the last completed
     step; the functional state after it is ``.state`` (as `fit` would have
     returned it). Checkpoint writes have finished.
@@ -132,6 +138,7 @@ class _Interrupts:
     def __init__(self) -> None:
         self.count = 0
         self.in_step = False
+        self.step_failed = False  # an exception left a step between dispatch and write-back
         self._previous: Any = None
         self._installed = False
 
@@ -166,6 +173,9 @@ class _Interrupts:
         self.in_step = True
         try:
             yield
+        except BaseException:
+            self.step_failed = True
+            raise
         finally:
             self.in_step = False
 
@@ -303,12 +313,12 @@ class _Runner:
                 with interrupts.step():
                     out = self.step(*loop.state, batch)
                     loop.state, raw = _new_state(out, loop, check=not self.checked)
+                    loop.step += 1
                 if not self.checked:
                     raw = as_metrics(raw, "step")
                     self.checked = True
                 elif not isinstance(raw, dict):
                     raw = as_metrics(raw, "step")
-                loop.step += 1
                 done += 1
                 logs = StepLogs(raw, batch, self.reader, "step")
                 if pending is not None:  # read one step late: the device runs ahead
@@ -405,7 +415,8 @@ def fit(
         functional, in order).
 
     Raises:
-        FitInterrupted: after Ctrl-C, once the step in progress has completed.
+        FitInterrupted: after Ctrl-C, once the step in progress has completed
+            (or after a ``KeyboardInterrupt`` raised outside a step).
 
     Example:
         >>> import jax.numpy as jnp, numpy as np, optax, jaxdist as jd
@@ -499,8 +510,48 @@ def _run(
     loop, callbacks, interrupts = runner.loop, runner.callbacks, runner.interrupts
     for cb in callbacks:
         cb.set_loop(loop)
+    logs: dict[str, float] = {}
+    cause: KeyboardInterrupt | None = None
+    try:
+        for cb in callbacks:
+            cb.on_train_begin({})
+        logs = _epochs(runner, train, total, source, eval_step, evaluation, history)
+    except KeyboardInterrupt as e:
+        # Raised outside a step (a callback, the data, evaluation, a second Ctrl-C): the
+        # state is that of the last completed step, as after Ctrl-C. Inside a step it may
+        # have been donated and not written back: nothing to hand over, so re-raise.
+        if isinstance(e, FitInterrupted) or interrupts.step_failed:
+            raise
+        cause = e
+    history.step = loop.step
+    if interrupts.interrupted or cause is not None:
+        loop.interrupted = True
+        runner.display.close()
+        for cb in callbacks:
+            cb.on_train_end(logs)
+        how = "Ctrl-C" if interrupts.interrupted else "a KeyboardInterrupt"
+        raise FitInterrupted(
+            f"{_WHERE}: stopped by {how} after step {loop.step} (epoch {loop.epoch}); the "
+            "state is that of the last completed step (functional state: .state of this "
+            "exception).",
+            history,
+            functional_result(loop.state, loop.functional),
+        ) from cause
     for cb in callbacks:
-        cb.on_train_begin({})
+        cb.on_train_end(logs)
+
+
+def _epochs(
+    runner: _Runner,
+    train: Any,
+    total: int | None,
+    source: Any,
+    eval_step: Callable[..., Any] | None,
+    evaluation: Any,
+    history: History,
+) -> dict[str, float]:
+    """The epochs until a bound, ``stop_training`` or Ctrl-C; returns the last epoch's logs."""
+    loop, callbacks, interrupts = runner.loop, runner.callbacks, runner.interrupts
     logs: dict[str, float] = {}
     set_epoch = getattr(source, "set_epoch", None)
     while not (
@@ -533,18 +584,4 @@ def _run(
         if loop.stop_training:
             history.stopped_early = True
             break
-    history.step = loop.step
-    if interrupts.interrupted:
-        loop.interrupted = True
-        runner.display.close()
-        for cb in callbacks:
-            cb.on_train_end(logs)
-        raise FitInterrupted(
-            f"{_WHERE}: stopped by Ctrl-C after step {loop.step} (epoch {loop.epoch}); the "
-            "state is that of the last completed step (functional state: .state of this "
-            "exception).",
-            history,
-            functional_result(loop.state, loop.functional),
-        )
-    for cb in callbacks:
-        cb.on_train_end(logs)
+    return logs

@@ -110,7 +110,7 @@ def _dtypes(dtype: Any) -> tuple[Any, Any]:
 
 
 def _check_global_batch_size(value: Any) -> Any:
-    """``global_batch_size`` as a positive int (or a traced integer scalar)."""
+    """``global_batch_size`` as a non-negative int (or a traced integer scalar)."""
     where = "jaxdist.compute_average_loss"
     if isinstance(value, (bool, np.bool_)):
         raise ValueError(
@@ -134,15 +134,15 @@ def _check_global_batch_size(value: Any) -> Any:
                 "global_batch_size=64."
             )
         if is_tracer(arr):
-            return arr  # checked at run time: a divisor of zero gives a zero loss
+            return arr  # not checked: a traced size of zero gives a zero loss
         size = int(arr)
-    if size <= 0:
+    if size < 0:
         raise ValueError(
-            f"{where}: global_batch_size must be positive, got {size}. Pass the number of "
+            f"{where}: global_batch_size must be non-negative, got {size}. Pass the number of "
             "examples in the global batch (over all replicas), or leave it None to use the "
             "batch's own size."
         )
-    return size
+    return size  # 0 (an empty global batch) gives a zero loss, as TF's div_no_nan does
 
 
 def _weighted(loss: jax.Array, sample_weight: Any, dtype: Any) -> jax.Array:
@@ -168,8 +168,10 @@ def _weighted(loss: jax.Array, sample_weight: Any, dtype: Any) -> jax.Array:
 
 
 def _divide(total: jax.Array, divisor: Any) -> jax.Array:
+    """``total / divisor``, and 0 where the divisor is 0 (an empty batch), as TF's
+    ``div_no_nan``."""
     if isinstance(divisor, int):
-        return total / divisor
+        return total / divisor if divisor else jnp.zeros_like(total)
     d = jnp.asarray(divisor).astype(total.dtype)
     return jnp.where(d > 0, total / jnp.where(d > 0, d, 1), jnp.zeros_like(total))
 
@@ -201,19 +203,20 @@ def compute_average_loss(
         per_example_loss: losses of rank at least 1, the leading axis over this
             replica's examples.
         sample_weight: optional weights, see above.
-        global_batch_size: the number of examples in the global batch (a
-            positive int). ``None`` means this replica's rows times the number
-            of replicas (times the micro-batches of an accumulation), or the
-            global number of data rows of a padded batch.
+        global_batch_size: the number of examples in the global batch (an
+            int >= 0; 0, an empty global batch, gives a zero loss as TF's
+            ``div_no_nan`` does). ``None`` means this replica's rows times the
+            number of replicas (times the micro-batches of an accumulation), or
+            the global number of data rows of a padded batch.
 
     Returns:
         A scalar: the weighted losses summed and divided by the global batch
-        size, with the dtype of ``per_example_loss`` (summed in at least
-        float32; integer losses give a float).
+        size (0 for an empty batch), with the dtype of ``per_example_loss``
+        (summed in at least float32; integer losses give a float).
 
     Raises:
         ValueError: for a scalar ``per_example_loss``, a ``global_batch_size``
-            that is not a positive integer scalar, or weights that do not
+            that is not a non-negative integer scalar, or weights that do not
             broadcast to the losses.
         RuntimeError: in cross-replica context inside a strategy's scope
             (outside the replica function) when ``global_batch_size`` is

@@ -45,6 +45,29 @@ replica axis) agrees by itself, with one all-reduce of a single int.
 ``opt.update`` then changes in place; ``jax.tree.map(lambda v: v, ...)``
 copies the tree (the arrays themselves are immutable, so this copies no
 data), so ``old`` keeps the values from before the update.
+
+Example:
+    bfloat16 compute over float32 master weights, on two replicas:
+
+    >>> import jax, jax.numpy as jnp, optax, jaxdist as jd
+    >>> from flax import nnx
+    >>> model = nnx.Linear(4, 2, dtype=jnp.bfloat16, param_dtype=jnp.float32,
+    ...                    rngs=nnx.Rngs(0))
+    >>> opt = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+    >>> @jd.train_step(jd.MirroredStrategy(jax.devices()[:2]))
+    ... def step(ctx, model, opt, x, y):
+    ...     def loss_fn(m):
+    ...         logits = m(x).astype(jnp.float32)  # the loss in float32
+    ...         return jd.compute_average_loss(jnp.sum((logits - y) ** 2, axis=-1))
+    ...     loss, grads = nnx.value_and_grad(loss_fn)(model)  # float32 gradients
+    ...     opt.update(model, ctx.all_reduce("sum", grads))
+    ...     return ctx.all_reduce("sum", loss)
+    >>> x, y = jnp.ones((8, 4)), jnp.zeros((8, 2))
+    >>> first = float(step(model, opt, x, y))
+    >>> float(step(model, opt, x, y)) < first
+    True
+    >>> model(x).dtype, model.kernel.get_value().dtype  # bfloat16 compute, float32 weights
+    (dtype(bfloat16), dtype('float32'))
 """
 
 from __future__ import annotations

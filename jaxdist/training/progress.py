@@ -15,6 +15,7 @@ prints one line per epoch when ``verbose``, or nothing.
 from __future__ import annotations
 
 import math
+import os
 import sys
 import time
 from collections.abc import Iterator, Mapping
@@ -39,6 +40,7 @@ __all__ = [
 _WHERE = "jaxdist.fit"
 
 _REDRAW_S = 0.1
+_FALLBACK_SIZE = (100, 24)  # (columns, lines) when the terminal does not tell its own
 
 
 def want_bar(progress: bool | str, stream: TextIO, where: str) -> bool:
@@ -66,6 +68,17 @@ def _tqdm() -> Any:
     except ImportError:  # pragma: no cover - tqdm is installed wherever the tests run
         return None
     return tqdm
+
+
+def _sized_terminal(stream: TextIO) -> bool:
+    """Whether ``stream`` is a terminal that reports its size. A pseudo terminal may report
+    0 x 0 (CI runners, ``script``): tqdm then hides its bar, so `Progress` gives it a
+    fixed size instead."""
+    try:
+        size = os.get_terminal_size(stream.fileno())
+    except (AttributeError, OSError, ValueError):
+        return False
+    return size.columns > 0 and size.lines > 0
 
 
 def _number(v: float) -> str:
@@ -103,12 +116,15 @@ class Progress:
         if not self.bar:
             return
         tqdm = _tqdm()
+        sized = _sized_terminal(self.stream)
         self._bar = tqdm(
             total=total_steps,
             desc=self._title(epoch),
             unit="step",
             file=self.stream,
-            dynamic_ncols=True,
+            dynamic_ncols=sized,  # follow the terminal's width
+            ncols=None if sized else _FALLBACK_SIZE[0],
+            nrows=None if sized else _FALLBACK_SIZE[1],
             leave=True,
             mininterval=_REDRAW_S,
         )

@@ -1,23 +1,25 @@
-"""A MultiWorkerMirroredStrategy training loop started by jaxdist's launcher
-(tests/test_launch_multiworker.py).
+"""A MultiWorkerMirroredStrategy training loop started by jaxdist's launcher (tests/test_launch.py).
 
-Prints ``STARTED <pid>`` once the strategy is up, ``STEP <i>`` every 10 steps,
+Prints ``STARTED <pid>`` once the strategy is up, ``STEP <i>`` every 5 steps,
 and at the end ``DONE <restart count> <w>`` where ``w`` is the trained weight.
 Each step all-reduces the per-replica gradient of ``(w * x - 1)^2 / 2`` with
 ``x = replica id + 1``, so the expected ``w`` is easy to compute in NumPy.
 
-Usage: launched_training.py STEPS [--fail-first-start]
+Usage: launched_training.py STEPS [--fail-first-start] [--spawn-helper]
     --fail-first-start: process 1 raises at step 5 of the first attempt
     (``JAXDIST_RESTART_COUNT == 0``); the uncaught exception ends it with code 1.
+    --spawn-helper: first start a helper process that sleeps (as a data loader
+    worker would) and print ``HELPER <pid>``; it must not outlive the job.
 """
 
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 
 
-def main(steps: int, fail_first_start: bool) -> None:
+def main(steps: int, fail_first_start: bool, spawn_helper: bool) -> None:
     import jax  # noqa: I001 - the strategy must start jax.distributed first
     import jaxdist as jd
 
@@ -25,6 +27,9 @@ def main(steps: int, fail_first_start: bool) -> None:
     import jax.numpy as jnp
 
     restart = int(os.environ.get("JAXDIST_RESTART_COUNT", "0"))
+    if spawn_helper:
+        helper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+        print(f"HELPER {helper.pid}", flush=True)
     print(f"STARTED {os.getpid()}", flush=True)
 
     @strategy.function
@@ -38,10 +43,11 @@ def main(steps: int, fail_first_start: bool) -> None:
         if fail_first_start and restart == 0 and jax.process_index() == 1 and i == 5:
             raise RuntimeError("failing on purpose")
         w = step(w)
-        if i % 10 == 0:
+        if i % 5 == 0:
             print(f"STEP {i}", flush=True)
     print(f"DONE {restart} {float(w)!r}", flush=True)
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]), "--fail-first-start" in sys.argv[2:])
+    flags = sys.argv[2:]
+    main(int(sys.argv[1]), "--fail-first-start" in flags, "--spawn-helper" in flags)

@@ -110,7 +110,9 @@ class LoweredStep:
 
 # The cache ----------------------------------------------------------------------
 
-_lock = threading.Lock()
+# Re-entrant: a function's finalizer (`_forget`) can run in a garbage collection that
+# starts while this thread holds the lock inside `program_for` (building a jit allocates).
+_lock = threading.RLock()
 _cache: collections.OrderedDict[Hashable, Program] = collections.OrderedDict()
 _size = [DEFAULT_CACHE_SIZE]
 _programs_per_code: dict[Any, int] = {}

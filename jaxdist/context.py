@@ -97,18 +97,20 @@ def strategy_scope(strategy: Strategy) -> Iterator[Strategy]:
 # inside it: contextvars are per thread). Used only to explain that.
 _SCOPES_BY_THREAD: dict[int, list[Strategy]] = {}
 _scopes_lock = threading.Lock()
-_warned_threads: set[int] = set()
+# Set in a thread once it was warned (a thread-local, not a set of thread idents: the
+# runtime gives the ident of a finished thread to a new one).
+_warned = threading.local()
 
 
 def _warn_if_scoped_elsewhere() -> None:
-    me = threading.get_ident()
-    if me in _warned_threads:
+    if getattr(_warned, "done", False):
         return
+    me = threading.get_ident()
     with _scopes_lock:
         others = [(t, st[-1]) for t, st in _SCOPES_BY_THREAD.items() if t != me]
     if not others:
         return
-    _warned_threads.add(me)
+    _warned.done = True
     names = {t.ident: t.name for t in threading.enumerate()}
     where = ", ".join(f"{s!r} in thread {names.get(t, t)!r}" for t, s in others)
     warnings.warn(
@@ -181,6 +183,18 @@ class ReplicaContext:
 
     def _close(self) -> None:
         self._live[0] = False
+
+    def _used_as_value(self, *args: Any, **kwargs: Any) -> Any:
+        raise TypeError(
+            "a ReplicaContext was used as a value. jaxdist passes the ReplicaContext as the "
+            "first argument of the replica function, so `def step(x, y)` called as "
+            "strategy.run(step, args=(x,)) receives (ctx, x). Declare the context first: "
+            "`def step(ctx, x, y): ...`."
+        )
+
+    __array__ = __jax_array__ = __float__ = __int__ = __getitem__ = _used_as_value
+    __add__ = __radd__ = __sub__ = __rsub__ = __mul__ = __rmul__ = _used_as_value
+    __truediv__ = __rtruediv__ = __matmul__ = __rmatmul__ = __neg__ = _used_as_value
 
     def _check_live(self, method: str) -> None:
         if not self._live[0]:

@@ -27,6 +27,7 @@ from jaxdist._compile import describe_bad_leaf
 from jaxdist._cross_replica import gather_leaf, reduce_distributed, reduce_leaf
 from jaxdist._jax_compat import is_tracer
 from jaxdist._programs import LoweredStep, Program, program_for
+from jaxdist._variable_dtypes import numeric
 from jaxdist.context import _STATE, check_cross_replica, current_state, strategy_scope
 from jaxdist.extended import StrategyExtended
 from jaxdist.options import RunOptions
@@ -476,6 +477,7 @@ class Strategy:
                 "replicas only, an int also along that axis of each replica's value."
             )
         n = self.num_replicas_in_sync
+        _check_numeric(self, where, value)
         leaves, treedef = jax.tree.flatten(value, is_leaf=is_distributed)
         leaves = [as_distributed(x) for x in leaves]
         self._check_counts(where, leaves)
@@ -510,6 +512,7 @@ class Strategy:
                 "without concatenating, use reduce."
             )
         n = self.num_replicas_in_sync
+        _check_numeric(self, where, value)
         self._check_counts(
             where, [as_distributed(x) for x in jax.tree.leaves(value, is_leaf=is_distributed)]
         )
@@ -579,6 +582,7 @@ class Strategy:
                 for f in flat
             ]
             shapes = {(tuple(x.shape), x.dtype) for x in rows}
+            _check_numeric(self, where, rows[0], f"value_fn(ctx){jax.tree_util.keystr(path)}")
             if len(shapes) != 1:
                 raise ValueError(
                     f"{where}: leaf {jax.tree_util.keystr(path) or '<root>'} differs in shape or "
@@ -674,6 +678,19 @@ class _NumpyRows:
         data = self._input
         arrays = data if isinstance(data, tuple) else (data,)
         return from_arrays(*arrays, batch_size=batch_size, drop_remainder=drop_remainder)
+
+
+def _check_numeric(strategy: Strategy, where: str, value: Any, root: str = "value") -> None:
+    """Cross-replica values must be numeric arrays: name the first leaf that is not."""
+    for path, leaf in jax.tree_util.tree_flatten_with_path(value, is_leaf=is_distributed)[0]:
+        arr = leaf.array if isinstance(leaf, DistributedValues) else leaf
+        if isinstance(arr, (np.ndarray, np.generic)) and not numeric(arr.dtype):
+            raise TypeError(
+                f"{where}: {root}{jax.tree_util.keystr(path)} is an array of dtype {arr.dtype} "
+                f"(shape {arr.shape}); only numeric and bool arrays live on the devices of "
+                f"mesh {dict(strategy.mesh.shape)}. Encode it as numbers, or keep it out of "
+                "the value."
+            )
 
 
 def _check_not_empty(where: str, op: ReduceOp, leaves: Sequence[Any], axis: int | None) -> None:

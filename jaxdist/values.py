@@ -133,6 +133,11 @@ def _no_single_value(kind: str) -> TypeError:
     )
 
 
+def _numeric(dtype: Any) -> bool:
+    """Whether JAX arrays can have ``dtype`` (numbers, bfloat16 and friends, bool)."""
+    return np.dtype(dtype) == np.bool_ or bool(jax.numpy.issubdtype(dtype, jax.numpy.number))
+
+
 def _stack(values: Sequence[Any]) -> Any:
     """TF's ``PerReplica((v0, v1, ...))``: one global array, placed by the current strategy."""
     from jaxdist.context import get_strategy
@@ -148,6 +153,13 @@ def _stack(values: Sequence[Any]) -> Any:
         )
     shapes = {tuple(np.shape(v)) for v in leaves}
     dtypes = {np.result_type(v) for v in leaves}
+    odd = sorted(str(d) for d in dtypes if not _numeric(d))
+    if odd:
+        raise TypeError(
+            f"PerReplica: the per-replica values have dtype {odd[0]}; a list of per-replica "
+            "values is stacked into one device array, which holds numbers or bools only. "
+            "Encode the values as numbers first."
+        )
     if len(shapes) > 1 or len(dtypes) > 1:
         raise ValueError(
             f"PerReplica: the {len(values)} per-replica values must share shape and dtype to "
@@ -212,6 +224,9 @@ class PerReplica(DistributedValues):
 
     def __index__(self) -> int:
         raise _no_single_value("index")
+
+    def __bool__(self) -> bool:
+        raise _no_single_value("truth value")
 
     def __array__(self, dtype: Any = None, copy: bool | None = None) -> np.ndarray:
         raise _no_single_value("array value (np.asarray)")

@@ -125,7 +125,6 @@ _EXIT_SCRIPT = textwrap.dedent(
 
 @pytest.mark.timeout(60)
 def test_exit_does_not_wait_on_sources_stuck_in_user_code() -> None:
-    start = time.monotonic()
     proc = subprocess.run(
         [sys.executable, "-c", _EXIT_SCRIPT],
         capture_output=True,
@@ -138,4 +137,3 @@ def test_exit_does_not_wait_on_sources_stuck_in_user_code() -> None:
     threads, before_exit = proc.stdout.split()
     assert int(threads) == 4
     assert end - float(before_exit) < 2.0  # one shared deadline (was 5 s per iterator)
-    assert end - start < 3.0

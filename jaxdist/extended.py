@@ -21,15 +21,16 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxdist._jax_compat import is_tracer
+from jaxdist._placement import broadcast_to, check_pairs, destination_sharding, place
+from jaxdist._variable_meta import colocate_with
 from jaxdist.communication import CommunicationOptions, resolve_options
 from jaxdist.context import check_cross_replica
-from jaxdist.reduce import ReduceOp, broadcast_to, check_pairs, destination_sharding, place
+from jaxdist.reduce import ReduceOp
 from jaxdist.values import Mirrored, PerReplica
 from jaxdist.variables import (
     Variable,
     VariableAggregation,
     as_distributed,
-    colocate_with,
     is_distributed,
 )
 

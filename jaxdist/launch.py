@@ -92,19 +92,27 @@ which case the job fails and ``--max-restarts`` retries with a new port.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import os
-import selectors
 import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
-from collections.abc import Iterable, Iterator, Mapping, Sequence
-from types import FrameType
-from typing import IO, Any, TextIO
+from collections.abc import Mapping, Sequence
+from typing import TextIO
+
+from jaxdist._launch_output import POLL_INTERVAL as POLL_INTERVAL
+from jaxdist._launch_output import Output as Output
+from jaxdist._launch_processes import (
+    SignalTrap,
+    describe,
+    exit_code,
+    live_groups,
+    signal_groups,
+    status,
+    with_deathsig,
+)
 
 __all__ = [
     "DEFAULT_KILL_TIMEOUT",
@@ -125,12 +133,7 @@ ENV_RESTART_COUNT = "JAXDIST_RESTART_COUNT"
 
 LOOPBACK = "127.0.0.1"
 DEFAULT_KILL_TIMEOUT = 5.0
-_NAME = "jaxdist.launch"
-_POLL_INTERVAL = 0.05  # seconds between checks of the processes while copying their output
 _DRAIN_TIMEOUT = 2.0  # seconds to finish copying output after the processes exited
-_MAX_LINE = 1 << 16  # a longer line without a newline is copied in pieces
-_FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
-_PR_SET_PDEATHSIG = 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -301,185 +304,8 @@ def _port_in_use(port: int) -> bool:
     return False
 
 
-def _describe(returncode: int) -> str:
-    if returncode >= 0:
-        return f"exited with code {returncode}"
-    try:
-        return f"was killed by signal {signal.Signals(-returncode).name}"
-    except ValueError:
-        return f"was killed by signal {-returncode}"
-
-
-def _exit_code(returncode: int) -> int:
-    """The launcher's exit code for a process's return code (negative: killed by a signal)."""
-    return returncode if returncode >= 0 else 128 - returncode
-
-
 def _processes(n: int) -> str:
     return f"{n} process" if n == 1 else f"{n} processes"
-
-
-@dataclasses.dataclass
-class _Pipe:
-    """One process's stdout or stderr, and the part of a line read from it so far."""
-
-    pipe: IO[bytes]
-    sink: TextIO
-    prefix: bytes
-    pending: bytes = b""
-
-
-class _Output:
-    """Copies the processes' output to the launcher's streams, whole lines at a time.
-
-    Everything runs in the launcher's main thread (a selector, no reader threads), so
-    lines can never mix; a line longer than 64 KiB without a newline is cut.
-    """
-
-    def __init__(self, stdout: TextIO, stderr: TextIO) -> None:
-        self.stdout, self.stderr = stdout, stderr
-        self._broken: set[int] = set()  # ids of streams whose reader went away
-        self._selector = selectors.DefaultSelector()
-
-    def add(self, pipe: IO[bytes], sink: TextIO, prefix: bytes) -> None:
-        self._selector.register(pipe, selectors.EVENT_READ, _Pipe(pipe, sink, prefix))
-
-    def write(self, sink: TextIO, data: bytes) -> None:
-        if id(sink) in self._broken:
-            return
-        try:
-            sink.flush()
-            buffer: IO[bytes] | None = getattr(sink, "buffer", None)
-            if buffer is None:
-                sink.write(data.decode(errors="replace"))
-                sink.flush()
-            else:
-                buffer.write(data)
-                buffer.flush()
-        except (BrokenPipeError, ValueError):  # closed by the reader: keep supervising
-            self._broken.add(id(sink))
-
-    def message(self, text: str) -> None:
-        self.write(self.stderr, f"{_NAME}: {text}\n".encode())
-
-    def pump(self, timeout: float) -> None:
-        """Copies what the processes wrote, waiting up to ``timeout`` seconds for something."""
-        if not self._selector.get_map():
-            time.sleep(timeout)
-            return
-        for key, _ in self._selector.select(timeout):
-            p: _Pipe = key.data
-            chunk = os.read(key.fd, _MAX_LINE)
-            if not chunk:
-                self._close(p)
-                continue
-            data = p.pending + chunk
-            cut = data.rfind(b"\n") + 1 or (len(data) if len(data) >= _MAX_LINE else 0)
-            p.pending = data[cut:]
-            self._emit(p, data[:cut])
-
-    def drain(self, timeout: float) -> None:
-        """Copies output until every pipe is closed or ``timeout`` seconds passed; closes all."""
-        deadline = time.monotonic() + timeout
-        while self._selector.get_map() and time.monotonic() < deadline:
-            self.pump(_POLL_INTERVAL)
-        for key in list(self._selector.get_map().values()):
-            self._close(key.data)
-
-    def _emit(self, p: _Pipe, data: bytes) -> None:
-        if data:
-            lines = data.removesuffix(b"\n").split(b"\n")
-            self.write(p.sink, b"".join(p.prefix + line + b"\n" for line in lines))
-
-    def _close(self, p: _Pipe) -> None:
-        self._emit(p, p.pending)
-        self._selector.unregister(p.pipe)
-        p.pipe.close()
-
-
-class _SignalTrap:
-    """Records SIGINT/SIGTERM/SIGHUP for the main loop (possible only in the main thread)."""
-
-    def __init__(self) -> None:
-        self.pending: list[int] = []
-        self.received: list[int] = []
-
-    @contextlib.contextmanager
-    def installed(self) -> Iterator[_SignalTrap]:
-        previous: dict[int, Any] = {}
-        if threading.current_thread() is threading.main_thread():
-            for sig in _FORWARDED_SIGNALS:
-                previous[sig] = signal.signal(sig, self._handle)
-        try:
-            yield self
-        finally:
-            for signum, handler in previous.items():
-                signal.signal(signum, signal.SIG_DFL if handler is None else handler)
-
-    def _handle(self, signum: int, frame: FrameType | None) -> None:
-        self.pending.append(signum)
-        self.received.append(signum)
-
-
-# Run as ``python -S -c _DEATHSIG <launcher pid> <program> <args...>``: asks the kernel to
-# SIGKILL this process when the launcher dies, then becomes the program (the request survives
-# exec). A trampoline rather than a ``preexec_fn``: Python code between fork and exec is unsafe
-# in a multithreaded launcher (one that imported jax, say), and CPython runs at-fork hooks for it.
-_DEATHSIG = (
-    "import ctypes,os,sys\n"
-    f"ctypes.CDLL(None,use_errno=True).prctl({_PR_SET_PDEATHSIG},{int(signal.SIGKILL)},0,0,0)\n"
-    "if os.getppid()!=int(sys.argv[1]):os._exit(137)\n"
-    "os.execv(sys.argv[2],sys.argv[2:])\n"
-)
-
-
-def _with_deathsig(command: list[str], parent: int) -> list[str]:
-    """``command`` run so that it gets SIGKILL when the launcher dies (Linux only)."""
-    if not sys.platform.startswith("linux"):
-        return command
-    return [command[0], "-S", "-c", _DEATHSIG, str(parent), *command]
-
-
-def _status(proc: subprocess.Popen[bytes]) -> int | None:
-    """The process's return code, or None while it runs.
-
-    Where possible the process is not reaped (``WNOWAIT``): as a zombie it keeps its
-    pid, so its process group id cannot be reused by an unrelated process while the
-    launcher may still signal that group.
-    """
-    if proc.returncode is not None or not hasattr(os, "waitid"):
-        return proc.poll()
-    try:
-        info = os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
-    except ChildProcessError:
-        return proc.poll()
-    if info is None or info.si_pid == 0:
-        return None
-    return info.si_status if info.si_code == os.CLD_EXITED else -info.si_status
-
-
-def _signal_groups(pgids: Iterable[int], sig: int) -> None:
-    for pgid in pgids:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(pgid, sig)
-
-
-def _live_groups(pgids: Iterable[int]) -> set[int] | None:
-    """Which of these process groups still have a member that is not a zombie (None: unknown)."""
-    if not os.path.isdir("/proc/self"):
-        return None
-    wanted, live = set(pgids), set()
-    for entry in os.scandir("/proc"):
-        if entry.name.isdigit():
-            try:
-                with open(f"/proc/{entry.name}/stat", "rb") as f:
-                    stat = f.read()
-            except OSError:  # gone meanwhile
-                continue
-            state, _, pgrp = stat[stat.rindex(b")") + 2 :].split()[:3]
-            if int(pgrp) in wanted and state not in (b"Z", b"X"):
-                live.add(int(pgrp))
-    return live
 
 
 class _StartError(RuntimeError):
@@ -498,7 +324,7 @@ class _Round:
 class _Job:
     """Starts, watches and stops the group, restarting it after failures as configured."""
 
-    def __init__(self, config: LaunchConfig, output: _Output, trap: _SignalTrap) -> None:
+    def __init__(self, config: LaunchConfig, output: Output, trap: SignalTrap) -> None:
         self._config, self._output, self._trap = config, output, trap
         self._parent = os.getpid()
 
@@ -521,12 +347,12 @@ class _Job:
                 say(f"stopped after {signal.Signals(result.signal).name}.")
                 return 128 + result.signal
             rank, returncode = result.failure
-            code = _exit_code(returncode)
+            code = exit_code(returncode)
             others = result.others_stopped
             stopped = f"stopped the other {_processes(others)}"
             if not others:
                 stopped = "no other process was running"
-            say(f"process {rank} {_describe(returncode)} (first failure); {stopped}.")
+            say(f"process {rank} {describe(returncode)} (first failure); {stopped}.")
             if result.signal is not None or self._trap.received:
                 return code
             if restart >= config.max_restarts:
@@ -539,7 +365,7 @@ class _Job:
 
     def _start(self, env: dict[str, str]) -> subprocess.Popen[bytes]:
         return subprocess.Popen(
-            _with_deathsig(self._config.command(), self._parent),
+            with_deathsig(self._config.command(), self._parent),
             env=env,
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
@@ -567,27 +393,27 @@ class _Job:
         stop_at: float | None = None  # when the processes were asked to stop
         killed = False
         while True:
-            output.pump(_POLL_INTERVAL)
-            codes = [_status(proc) for proc in procs]
+            output.pump(POLL_INTERVAL)
+            codes = [status(proc) for proc in procs]
             running = [i for i, code in enumerate(codes) if code is None]
             while self._trap.pending:
                 sig = self._trap.pending.pop(0)
                 name = signal.Signals(sig).name
                 if result.signal is None and stop_at is None:
                     result.signal, stop_at = sig, time.monotonic()
-                    _signal_groups(groups, sig)
+                    signal_groups(groups, sig)
                     n = _processes(len(running))
                     say(f"received {name}; forwarded it to {n} (send it again to kill them).")
                 elif not killed:
                     again = "again" if result.signal else "while stopping them"
                     result.signal, killed = result.signal or sig, True
-                    _signal_groups(groups, signal.SIGKILL)
+                    signal_groups(groups, signal.SIGKILL)
                     say(f"received {name} {again}; killed {_processes(len(running))}.")
             failed = [i for i, code in enumerate(codes) if code not in (None, 0)]
             if failed and stop_at is None:
                 result.failure = (failed[0], codes[failed[0]] or 0)
                 result.others_stopped, stop_at = len(running), time.monotonic()
-                _signal_groups(groups, signal.SIGTERM)
+                signal_groups(groups, signal.SIGTERM)
             if not running:
                 break
             if (
@@ -596,7 +422,7 @@ class _Job:
                 and time.monotonic() >= stop_at + config.kill_timeout
             ):
                 killed = True
-                _signal_groups(groups, signal.SIGKILL)
+                signal_groups(groups, signal.SIGKILL)
                 ids = ", ".join(map(str, running))
                 say(
                     f"{_processes(len(running))} ({ids}) still running {config.kill_timeout:g} s "
@@ -613,16 +439,16 @@ class _Job:
         from /proc, after a short grace).
         """
         groups = [proc.pid for proc in procs]
-        _signal_groups([p.pid for p in procs if _status(p) is None], signal.SIGKILL)
-        live = _live_groups(groups)
+        signal_groups([p.pid for p in procs if status(p) is None], signal.SIGKILL)
+        live = live_groups(groups)
         if live is None or live:
-            _signal_groups(groups if live is None else live, signal.SIGTERM)
+            signal_groups(groups if live is None else live, signal.SIGTERM)
             grace = self._config.kill_timeout if live else min(self._config.kill_timeout, 0.2)
             deadline = time.monotonic() + grace
             while time.monotonic() < deadline and (live is None or live):
-                self._output.pump(_POLL_INTERVAL)
-                live = None if live is None else _live_groups(live)
-            _signal_groups(groups if live is None else live, signal.SIGKILL)
+                self._output.pump(POLL_INTERVAL)
+                live = None if live is None else live_groups(live)
+            signal_groups(groups if live is None else live, signal.SIGKILL)
         for proc in procs:
             proc.wait()
         self._output.drain(_DRAIN_TIMEOUT)
@@ -655,8 +481,8 @@ def launch(
             f"launch: the script {config.program!r} does not exist (relative to {os.getcwd()!r}); "
             "pass an existing script path, or module=True (-m) to run a module."
         )
-    output = _Output(stdout or sys.stdout, stderr or sys.stderr)
-    trap = _SignalTrap()
+    output = Output(stdout or sys.stdout, stderr or sys.stderr)
+    trap = SignalTrap()
     with trap.installed():
         return _Job(config, output, trap).run()
 
@@ -764,7 +590,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return launch(config)
     except _StartError as exc:
-        _Output(sys.stdout, sys.stderr).message(f"{exc}.")
+        Output(sys.stdout, sys.stderr).message(f"{exc}.")
         return 1
 
 

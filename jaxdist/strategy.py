@@ -25,103 +25,31 @@ from jax.sharding import PartitionSpec as P
 from jaxdist import _dispatch
 from jaxdist._compile import describe_bad_leaf
 from jaxdist._cross_replica import gather_leaf, reduce_distributed, reduce_leaf
-from jaxdist._jax_compat import is_tracer
+from jaxdist._mesh_placement import (
+    onto_mesh,
+    variables_to,
+)
 from jaxdist._programs import LoweredStep, Program, program_for
-from jaxdist._variable_dtypes import numeric
+from jaxdist._strategy_checks import (
+    check_mesh,
+    check_not_empty,
+    check_numeric,
+    nested_run_error,
+)
 from jaxdist.context import _STATE, check_cross_replica, current_state, strategy_scope
 from jaxdist.extended import StrategyExtended
 from jaxdist.options import RunOptions
 from jaxdist.reduce import CrossDeviceOps, NcclAllReduce, ReduceOp
-from jaxdist.values import DistributedValues, Mirrored, PerReplica, ValueContext
-from jaxdist.variables import Variable, as_distributed, is_distributed
+from jaxdist.values import DistributedValues, PerReplica, ValueContext
+from jaxdist.variables import as_distributed, is_distributed
 
 __all__ = ["Strategy"]
 
 AXIS_NAME = "replica"
 
 
-def _onto_mesh(strategy: Strategy, tree: Any) -> Any:
-    """Re-places committed arrays of ``tree`` that live outside ``strategy``'s mesh."""
-    mesh = strategy.mesh
-    devices = set(mesh.devices.flat)
-    replicated = NamedSharding(mesh, P())
-    per_replica = NamedSharding(mesh, P(strategy.axis_name))
-
-    def place(x: Any, sharding: NamedSharding) -> Any:
-        if isinstance(x, jax.Array) and not is_tracer(x) and x.sharding.device_set != devices:
-            return jax.device_put(x, sharding)
-        return x
-
-    def leaf(x: Any) -> Any:
-        if isinstance(x, Variable):
-            return x._with(place(x._stored, per_replica if x._per_replica_storage else replicated))
-        if isinstance(x, PerReplica):
-            return PerReplica(place(x.array, per_replica))
-        if isinstance(x, Mirrored):
-            return Mirrored(place(x.array, replicated))
-        return place(x, replicated)
-
-    return jax.tree.map(leaf, tree, is_leaf=is_distributed)
-
-
-def _check_mesh(
-    name: str, count: int, mesh_shape: Any, axis_names: Any
-) -> tuple[tuple[int, ...], tuple[str, ...]]:
-    """``mesh_shape`` and ``axis_names`` checked against ``count`` devices (private)."""
-    where = f"{name}(mesh_shape={mesh_shape!r}, axis_names={axis_names!r})"
-    if isinstance(axis_names, str):
-        axis_names = (axis_names,)
-    if (
-        not isinstance(axis_names, (tuple, list))
-        or not axis_names
-        or not all(isinstance(a, str) and a for a in axis_names)
-        or len(set(axis_names)) != len(axis_names)
-    ):
-        raise ValueError(
-            f"{where}: axis_names must be a non-empty tuple of distinct mesh axis names, "
-            "outermost first, e.g. ('host', 'local')."
-        )
-    names = tuple(axis_names)
-    if len(names) == 1:
-        example: tuple[int, ...] = (count,)
-    elif len(names) == 2 and count % 2 == 0:
-        example = (2, count // 2)
-    else:
-        example = (count,) + (1,) * (len(names) - 1)
-    if mesh_shape is None:
-        if len(names) != 1:
-            raise ValueError(
-                f"{where}: {len(names)} axis names need a mesh_shape with one size per name "
-                f"whose product is the number of devices ({count}), e.g. mesh_shape={example}."
-            )
-        return (count,), names
-    shape = tuple(mesh_shape) if isinstance(mesh_shape, (tuple, list)) else None
-    if (
-        shape is None
-        or not all(isinstance(k, int) and not isinstance(k, bool) and k > 0 for k in shape)
-        or len(shape) != len(names)
-        or int(np.prod(shape)) != count
-    ):
-        raise ValueError(
-            f"{where}: mesh_shape must give one positive size per axis name {names} whose "
-            f"product is the number of devices ({count}), e.g. mesh_shape={example}."
-        )
-    return shape, names
-
-
 def _strong(fn: Callable[..., Any]) -> Callable[[], Callable[..., Any]]:
     return lambda: fn
-
-
-def _variables_to(sharding: jax.sharding.Sharding, tree: Any) -> Any:
-    """Moves the ON_WRITE variables of ``tree`` to ``sharding`` (central storage)."""
-
-    def move(v: Any) -> Any:
-        if isinstance(v, Variable) and not v.is_on_read and not is_tracer(v._stored):
-            return v._with(jax.device_put(v._stored, sharding))
-        return v
-
-    return jax.tree.map(move, tree, is_leaf=is_distributed)
 
 
 class Strategy:
@@ -173,7 +101,7 @@ class Strategy:
         devices = tuple(devices)
         # Replica r is device r of ``devices``; with several mesh axes (for example
         # ("host", "local")) the replica axis is all of them, in row-major order.
-        shape, axis_names = _check_mesh(type(self).__name__, len(devices), mesh_shape, axis_names)
+        shape, axis_names = check_mesh(type(self).__name__, len(devices), mesh_shape, axis_names)
         grid = np.array(devices, dtype=object).reshape(shape)
         mesh = Mesh(grid, axis_names, axis_types=(AxisType.Auto,) * len(axis_names))
         object.__setattr__(
@@ -346,15 +274,15 @@ class Strategy:
         """Runs a compiled program: the per-call path of `run`, `function` and `train_step`."""
         state = current_state()
         if state.replica is not None:
-            raise self._nested_run_error(state.merging)
+            raise nested_run_error(type(self).__name__, state.merging)
         if self._parameter_placed:
-            args, kwargs = _variables_to(self._mesh_replicated(), (args, kwargs))
+            args, kwargs = variables_to(self._mesh_replicated(), (args, kwargs))
         if self._gate:
             out = _dispatch.gated(lambda: self._call(program, args, kwargs))
         else:
             out = self._call(program, args, kwargs)
         if self._parameter_placed:
-            out = _variables_to(jax.sharding.SingleDeviceSharding(self.parameter_device), out)
+            out = variables_to(jax.sharding.SingleDeviceSharding(self.parameter_device), out)
         return out
 
     def _call(self, program: Program, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -376,25 +304,8 @@ class Strategy:
             raise error
         # Some argument is committed to devices outside this strategy's mesh (for
         # example one replica's local result): place it on the mesh and retry.
-        args, kwargs = _onto_mesh(self, (args, kwargs))
+        args, kwargs = onto_mesh(self, (args, kwargs))
         return program(args, kwargs)
-
-    def _nested_run_error(self, merging: bool) -> RuntimeError:
-        name = type(self).__name__
-        if merging:
-            return RuntimeError(
-                f"{name}.run was called inside a merge_fn (ReplicaContext.merge_call). A "
-                "merge_fn runs once, in cross-replica context, while the replica function is "
-                "being traced; it cannot start another replicated computation. Reduce or "
-                "gather its arguments there (strategy.reduce, strategy.gather) and return "
-                "the result, or call run after the outer run returns."
-            )
-        return RuntimeError(
-            f"{name}.run was called inside a replica function, where only the replica "
-            "context's collectives apply. Inside the function use ctx.all_reduce / "
-            f"ctx.all_gather, or call {name}.run on the outer function's outputs after "
-            "run returns."
-        )
 
     def _mesh_replicated(self) -> NamedSharding:
         return NamedSharding(self._mesh, P())
@@ -477,12 +388,12 @@ class Strategy:
                 "replicas only, an int also along that axis of each replica's value."
             )
         n = self.num_replicas_in_sync
-        _check_numeric(self, where, value)
+        check_numeric(self, where, value)
         leaves, treedef = jax.tree.flatten(value, is_leaf=is_distributed)
         leaves = [as_distributed(x) for x in leaves]
         self._check_counts(where, leaves)
         if op in (ReduceOp.MAX, ReduceOp.MIN):
-            _check_not_empty(where, op, leaves, axis)
+            check_not_empty(where, op, leaves, axis)
         spread = [x for x in leaves if isinstance(x, DistributedValues)]
 
         def compute() -> Any:
@@ -512,7 +423,7 @@ class Strategy:
                 "without concatenating, use reduce."
             )
         n = self.num_replicas_in_sync
-        _check_numeric(self, where, value)
+        check_numeric(self, where, value)
         self._check_counts(
             where, [as_distributed(x) for x in jax.tree.leaves(value, is_leaf=is_distributed)]
         )
@@ -582,7 +493,7 @@ class Strategy:
                 for f in flat
             ]
             shapes = {(tuple(x.shape), x.dtype) for x in rows}
-            _check_numeric(self, where, rows[0], f"value_fn(ctx){jax.tree_util.keystr(path)}")
+            check_numeric(self, where, rows[0], f"value_fn(ctx){jax.tree_util.keystr(path)}")
             if len(shapes) != 1:
                 raise ValueError(
                     f"{where}: leaf {jax.tree_util.keystr(path) or '<root>'} differs in shape or "
@@ -678,35 +589,6 @@ class _NumpyRows:
         data = self._input
         arrays = data if isinstance(data, tuple) else (data,)
         return from_arrays(*arrays, batch_size=batch_size, drop_remainder=drop_remainder)
-
-
-def _check_numeric(strategy: Strategy, where: str, value: Any, root: str = "value") -> None:
-    """Cross-replica values must be numeric arrays: name the first leaf that is not."""
-    for path, leaf in jax.tree_util.tree_flatten_with_path(value, is_leaf=is_distributed)[0]:
-        arr = leaf.array if isinstance(leaf, DistributedValues) else leaf
-        if isinstance(arr, (np.ndarray, np.generic)) and not numeric(arr.dtype):
-            raise TypeError(
-                f"{where}: {root}{jax.tree_util.keystr(path)} is an array of dtype {arr.dtype} "
-                f"(shape {arr.shape}); only numeric and bool arrays live on the devices of "
-                f"mesh {dict(strategy.mesh.shape)}. Encode it as numbers, or keep it out of "
-                "the value."
-            )
-
-
-def _check_not_empty(where: str, op: ReduceOp, leaves: Sequence[Any], axis: int | None) -> None:
-    """MAX/MIN along an empty axis has no identity element: say so before XLA does."""
-    if axis is None:
-        return
-    for x in leaves:
-        arr = x.array if isinstance(x, DistributedValues) else x
-        shape = tuple(np.shape(arr))
-        per = shape[1:] if isinstance(x, PerReplica) else shape
-        if per and -len(per) <= axis < len(per) and per[axis] == 0:
-            raise ValueError(
-                f"{where}: cannot take the {op.name} along axis {axis} of per-replica values of "
-                f"shape {per}: the axis is empty and {op.name} has no identity element. Skip "
-                "empty values, or reduce with SUM."
-            )
 
 
 def _local_column(x: Any, n_local: int) -> tuple[Any, ...]:

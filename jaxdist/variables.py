@@ -39,24 +39,26 @@ when the replica count matches and otherwise restoring the saved aggregate as
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import dataclasses
-import enum
-import operator
-from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
 from jaxdist import _dispatch
 from jaxdist._cross_replica import reduce_leaf
 from jaxdist._jax_compat import is_tracer
 from jaxdist._variable_dtypes import initial_array, lossy_cast, numeric, split_sum
+from jaxdist._variable_meta import (
+    _COLOCATE,
+    VariableAggregation,
+    VariableSynchronization,
+    _Meta,
+    _mirrored_sharding,
+    _replica_sharding,
+)
+from jaxdist._variable_ops import ReadsLikeAnArray
 from jaxdist.context import current_state, get_replica_context, get_strategy
 from jaxdist.reduce import ReduceOp
 from jaxdist.values import DistributedValues, Mirrored, PerReplica
@@ -66,89 +68,11 @@ if TYPE_CHECKING:
 
 __all__ = ["Variable", "VariableAggregation", "VariableSynchronization"]
 
-
-class _NamedEnum(enum.Enum):
-    @classmethod
-    def from_any(cls, value: Any, *, where: str) -> Any:
-        if isinstance(value, cls):
-            return value
-        if isinstance(value, str) and value.strip().upper() in cls.__members__:
-            return cls[value.strip().upper()]
-        names = ", ".join(cls.__members__)
-        raise ValueError(f"{where}: unknown {cls.__name__} {value!r}; use one of {names}.")
-
-
-class VariableSynchronization(_NamedEnum):
-    """When a distributed variable's copies are made consistent."""
-
-    AUTO = "AUTO"
-    NONE = "NONE"
-    ON_WRITE = "ON_WRITE"
-    ON_READ = "ON_READ"
-
-
-class VariableAggregation(_NamedEnum):
-    """How per-replica updates (``ON_WRITE``) or copies (``ON_READ``) combine."""
-
-    NONE = "NONE"
-    SUM = "SUM"
-    MEAN = "MEAN"
-    ONLY_FIRST_REPLICA = "ONLY_FIRST_REPLICA"
-
-
 Sync = VariableSynchronization
 Agg = VariableAggregation
 
 
-@dataclasses.dataclass(frozen=True)
-class _Meta:
-    synchronization: VariableSynchronization
-    aggregation: VariableAggregation
-    trainable: bool
-    name: str | None
-    strategy: Strategy  # the strategy that placed it
-    created_in_scope: bool
-    local: bool = False  # True for the per-replica view inside a replica function
-
-
-_COLOCATE: contextvars.ContextVar[Variable | None] = contextvars.ContextVar(
-    "jaxdist_colocate", default=None
-)
-
-
-@contextlib.contextmanager
-def colocate_with(var: Variable) -> Iterator[None]:
-    """Variables created in the block are placed on ``var``'s devices (private)."""
-    token = _COLOCATE.set(var)
-    try:
-        yield
-    finally:
-        _COLOCATE.reset(token)
-
-
-def _mirrored_sharding(strategy: Strategy) -> jax.sharding.Sharding:
-    param = getattr(strategy, "parameter_device", None)
-    if param is not None:
-        return jax.sharding.SingleDeviceSharding(param)
-    return NamedSharding(strategy.mesh, P())
-
-
-def _replica_sharding(strategy: Strategy) -> jax.sharding.Sharding:
-    return NamedSharding(strategy.mesh, P(strategy.axis_name))
-
-
-# Dtypes -----------------------------------------------------------------------------
-
-
-def _reading(op: Callable[[Any, Any], Any], reflected: bool = False) -> Callable[..., Any]:
-    """A binary operator method that applies ``op`` to the variable's value (tf.Variable's
-    operator overloads)."""
-    if reflected:
-        return lambda self, other: op(other, self.read_value())
-    return lambda self, other: op(self.read_value(), other)
-
-
-class Variable:
+class Variable(ReadsLikeAnArray):
     """A distributed variable: an array with synchronization and aggregation rules.
 
     Args:
@@ -389,27 +313,6 @@ class Variable:
     def numpy(self) -> np.ndarray:
         return np.asarray(self.read_value())
 
-    def __jax_array__(self) -> Any:
-        return self.read_value()
-
-    def __array__(self, dtype: Any = None, copy: bool | None = None) -> np.ndarray:
-        return np.asarray(self.read_value(), dtype=dtype)
-
-    def __float__(self) -> float:
-        return float(self.read_value())
-
-    def __int__(self) -> int:
-        return int(self.read_value())
-
-    def __complex__(self) -> complex:
-        return complex(self.read_value())
-
-    def __bool__(self) -> bool:
-        return bool(self.read_value())
-
-    def __index__(self) -> int:
-        return operator.index(self.read_value())
-
     # Updates ------------------------------------------------------------------------
 
     def _in_replica_fn(self) -> bool:
@@ -593,34 +496,6 @@ class Variable:
     def assign_sub(self, delta: Any) -> Variable:
         """Returns the variable minus ``delta``."""
         return self._add(delta, "assign_sub")
-
-    # Arithmetic reads the value, as tf.Variable does -------------------------------
-
-    __add__ = _reading(operator.add)
-    __radd__ = _reading(operator.add, reflected=True)
-    __sub__ = _reading(operator.sub)
-    __rsub__ = _reading(operator.sub, reflected=True)
-    __mul__ = _reading(operator.mul)
-    __rmul__ = _reading(operator.mul, reflected=True)
-    __truediv__ = _reading(operator.truediv)
-    __rtruediv__ = _reading(operator.truediv, reflected=True)
-    __floordiv__ = _reading(operator.floordiv)
-    __mod__ = _reading(operator.mod)
-    __matmul__ = _reading(operator.matmul)
-    __rmatmul__ = _reading(operator.matmul, reflected=True)
-    __pow__ = _reading(operator.pow)
-    __rpow__ = _reading(operator.pow, reflected=True)
-    __lt__ = _reading(operator.lt)
-    __le__ = _reading(operator.le)
-    __gt__ = _reading(operator.gt)
-    __ge__ = _reading(operator.ge)
-    __getitem__ = _reading(operator.getitem)
-
-    def __neg__(self) -> Any:
-        return -self.read_value()
-
-    def __abs__(self) -> Any:
-        return abs(self.read_value())
 
 
 jax.tree_util.register_pytree_with_keys(

@@ -33,6 +33,7 @@ import numpy as np
 import pytest
 
 import jaxdist.launch as launch_module
+from jaxdist._launch_output import Output
 from jaxdist.cluster_resolver import launcher as resolver_module
 from jaxdist.launch import LaunchConfig, child_environment, main
 
@@ -501,7 +502,7 @@ def test_output_is_copied_line_by_line(launcher: type[Launcher], prefix: bool) -
 
 def test_output_cuts_lines_longer_than_64_kib() -> None:
     out, err = io.StringIO(), io.StringIO()  # text streams without a byte buffer
-    output = launch_module._Output(out, err)
+    output = Output(out, err)
     read, write = os.pipe()
     output.add(os.fdopen(read, "rb"), out, b"[3] ")
     data = b"a" * 70_000 + b"\n\nb\xff"

@@ -24,7 +24,7 @@ from typing import Any, TextIO
 import jax
 import numpy as np
 
-from jaxdist.training.callbacks import host_array
+from jaxdist.training._state_io import host_array
 from jaxdist.values import DistributedValues, Mirrored, PerReplica
 
 __all__ = [

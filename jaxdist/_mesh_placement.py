@@ -1,0 +1,52 @@
+"""Moving a strategy's arguments onto its mesh (private): arrays committed outside it, and
+central storage's variables between the parameter device and the compute devices."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import jax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxdist._jax_compat import is_tracer
+from jaxdist.values import Mirrored, PerReplica
+from jaxdist.variables import Variable, is_distributed
+
+if TYPE_CHECKING:
+    from jaxdist.strategy import Strategy
+
+
+def onto_mesh(strategy: Strategy, tree: Any) -> Any:
+    """Re-places committed arrays of ``tree`` that live outside ``strategy``'s mesh."""
+    mesh = strategy.mesh
+    devices = set(mesh.devices.flat)
+    replicated = NamedSharding(mesh, P())
+    per_replica = NamedSharding(mesh, P(strategy.axis_name))
+
+    def place(x: Any, sharding: NamedSharding) -> Any:
+        if isinstance(x, jax.Array) and not is_tracer(x) and x.sharding.device_set != devices:
+            return jax.device_put(x, sharding)
+        return x
+
+    def leaf(x: Any) -> Any:
+        if isinstance(x, Variable):
+            return x._with(place(x._stored, per_replica if x._per_replica_storage else replicated))
+        if isinstance(x, PerReplica):
+            return PerReplica(place(x.array, per_replica))
+        if isinstance(x, Mirrored):
+            return Mirrored(place(x.array, replicated))
+        return place(x, replicated)
+
+    return jax.tree.map(leaf, tree, is_leaf=is_distributed)
+
+
+def variables_to(sharding: jax.sharding.Sharding, tree: Any) -> Any:
+    """Moves the ON_WRITE variables of ``tree`` to ``sharding`` (central storage)."""
+
+    def move(v: Any) -> Any:
+        if isinstance(v, Variable) and not v.is_on_read and not is_tracer(v._stored):
+            return v._with(jax.device_put(v._stored, sharding))
+        return v
+
+    return jax.tree.map(move, tree, is_leaf=is_distributed)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import platform
+import random
 import statistics
 import time
 from collections.abc import Callable
@@ -31,15 +32,41 @@ def seconds_per_call(fn: Callable[[], object], calls: int) -> float:
     return (time.perf_counter() - start) / calls
 
 
+def sample(
+    candidates: dict[str, Callable[[], object]], *, calls: int, rounds: int = 7
+) -> dict[str, list[float]]:
+    """Seconds per call of each candidate in every round.
+
+    Each round times every candidate once, in a fresh random order (seeded), so that
+    neither drift of the machine nor a candidate's position in the round favours one.
+    """
+    for fn in candidates.values():  # compile and warm up
+        for _ in range(3):
+            fn()
+    order = random.Random(0)
+    samples: dict[str, list[float]] = {k: [] for k in candidates}
+    names = list(candidates)
+    for _ in range(rounds):
+        order.shuffle(names)
+        for name in names:
+            samples[name].append(seconds_per_call(candidates[name], calls))
+    return samples
+
+
 def compare(
     candidates: dict[str, Callable[[], object]], *, calls: int, rounds: int = 7
 ) -> dict[str, float]:
     """Median seconds per call of each candidate, measured in interleaved rounds."""
-    for fn in candidates.values():  # compile and warm up
-        for _ in range(3):
-            fn()
-    samples: dict[str, list[float]] = {k: [] for k in candidates}
-    for _ in range(rounds):
-        for name, fn in candidates.items():
-            samples[name].append(seconds_per_call(fn, calls))
+    samples = sample(candidates, calls=calls, rounds=rounds)
     return {k: statistics.median(v) for k, v in samples.items()}
+
+
+def paired_ratios(samples: dict[str, list[float]], base: str) -> dict[str, tuple[float, ...]]:
+    """Per candidate: the median and quartiles of its time / ``base``'s time in the same
+    round (pairing within a round cancels slow drift of a shared machine)."""
+    out = {}
+    for name, times in samples.items():
+        ratios = [t / b for t, b in zip(times, samples[base], strict=True)]
+        q1, _, q3 = statistics.quantiles(ratios, n=4)
+        out[name] = (statistics.median(ratios), q1, q3)
+    return out

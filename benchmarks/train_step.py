@@ -25,6 +25,7 @@ Usage: python benchmarks/train_step.py [--overhead]
 from __future__ import annotations
 
 import itertools
+import statistics
 import sys
 
 import _harness
@@ -44,9 +45,7 @@ BATCH = 512
 
 class MLP(nnx.Module):
     def __init__(self, sizes: tuple[int, ...], rngs: nnx.Rngs) -> None:
-        self.layers = nnx.List(
-            [nnx.Linear(a, b, rngs=rngs) for a, b in itertools.pairwise(sizes)]
-        )
+        self.layers = nnx.List([nnx.Linear(a, b, rngs=rngs) for a, b in itertools.pairwise(sizes)])
 
     def __call__(self, x: jax.Array) -> jax.Array:
         for layer in self.layers[:-1]:
@@ -85,11 +84,15 @@ def candidates(strategy: jd.Strategy, sizes: tuple[int, ...], batch: int) -> dic
     tx = optax.adamw(1e-3)
     _, _, xg, yg, xs, ys = _data(batch, sizes[0], n, mesh, axis)
 
-    # 1. hand-written shard_map + pmean, params/opt_state donated and fed back.
-    graphdef, params0 = nnx.split(MLP(sizes, nnx.Rngs(0)), nnx.Param)
+    # 1. hand-written shard_map + pmean, params/opt_state donated and fed back. The
+    # parameters are a plain dict of arrays (no nnx.Variable nodes to flatten per call).
+    graphdef, state0 = nnx.split(MLP(sizes, nnx.Rngs(0)), nnx.Param)
+    params0 = nnx.to_pure_dict(state0)
 
     def loss_fn(params, x, y):
-        return jnp.mean(_ce(nnx.merge(graphdef, params)(x), y))
+        state = jax.tree.map(lambda v: v, state0)  # a fresh State to fill (at trace time)
+        nnx.replace_by_pure_dict(state, params)
+        return jnp.mean(_ce(nnx.merge(graphdef, state)(x), y))
 
     def body(params, opt_state, x, y):
         loss, g = jax.value_and_grad(loss_fn)(jax.lax.pcast(params, axis, to="varying"), x, y)
@@ -225,12 +228,16 @@ def overhead() -> None:
         "train_step nnx": cands["train_step nnx"],
         "train_step linen": cands["train_step linen"],
     }
-    times = _harness.compare(cands, calls=500)
-    base = times["jax.jit (hand)"]
+    samples = _harness.sample(cands, calls=300, rounds=21)
+    ratios = _harness.paired_ratios(samples, "jax.jit (hand)")
     print(_harness.describe_machine())
     print(f"one device, MLP {'-'.join(map(str, sizes))}, adamw, batch {batch}")
-    for name, t in times.items():
-        print(f"{name:18s} {t * 1e6:8.1f} us/step   time ratio {t / base:.3f}")
+    for name, times in samples.items():
+        med, q1, q3 = ratios[name]
+        print(
+            f"{name:18s} {statistics.median(times) * 1e6:8.1f} us/step   time ratio {med:.3f} "
+            f"(quartiles {q1:.3f}-{q3:.3f})"
+        )
 
 
 if __name__ == "__main__":

@@ -8,8 +8,8 @@ at most one is in flight; Python still overlaps with that one program. GPU
 and TPU programs are never waited on: asynchronous dispatch is what makes
 them fast there.
 
-`gated` holds one lock around wait, dispatch and record, so programs
-dispatched from several threads are serialized too. The wait itself is one
+`gated` / `gated_call` hold one lock around wait, dispatch and record, so
+programs dispatched from several threads are serialized too. The wait itself is one
 ``block_until_ready`` on one output array of the previous program (all of a
 program's outputs become ready together).
 """
@@ -46,18 +46,29 @@ def _an_array(outputs: Any) -> Any:
     return None
 
 
-def gated(dispatch: Callable[[], Any]) -> Any:
-    """Waits for the previous gated program, runs ``dispatch()``, remembers its outputs."""
+def gated_call(program: Callable[[Any, Any], Any], args: Any, kwargs: Any) -> Any:
+    """Waits for the previous gated program, runs ``program(args, kwargs)``, remembers its
+    outputs. The per-call path of a cached `Strategy.run` / `Strategy.function` on CPU
+    (no closure is made per call)."""
     with _lock:
         prev = _last[0]
         if prev is not None:
             _last[0] = None
             prev.block_until_ready()
-        out = dispatch()
+        out = program(args, kwargs)
         leaf = _an_array(out)
         if leaf is not None:
             _last[0] = leaf
         return out
+
+
+def gated(dispatch: Callable[[], Any]) -> Any:
+    """Waits for the previous gated program, runs ``dispatch()``, remembers its outputs."""
+    return gated_call(_call_thunk, dispatch, None)
+
+
+def _call_thunk(thunk: Callable[[], Any], _: Any) -> Any:
+    return thunk()
 
 
 def wait_for_previous() -> None:

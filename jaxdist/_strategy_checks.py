@@ -1,5 +1,6 @@
 """Argument checks and error messages of `Strategy` (private): the mesh layout, numeric
-cross-replica values, MAX/MIN of empty values, and `run` nested where it cannot run."""
+cross-replica values, MAX/MIN of empty values, per-replica value counts, and `run`
+nested where it cannot run."""
 
 from __future__ import annotations
 
@@ -108,3 +109,18 @@ def nested_run_error(name: str, merging: bool) -> RuntimeError:
         f"ctx.all_gather, or call {name}.run on the outer function's outputs after "
         "run returns."
     )
+
+
+def check_counts(strategy: Strategy, where: str, leaves: Sequence[Any]) -> None:
+    """Every `PerReplica` leaf must have one row per replica of ``strategy``."""
+    n = strategy.num_replicas_in_sync
+    for x in leaves:
+        if isinstance(x, PerReplica):
+            rows = x.array.shape[0] if np.ndim(x.array) else 0
+            if rows != n:
+                raise ValueError(
+                    f"{where}: a PerReplica value has {rows} per-replica values (shape "
+                    f"{tuple(np.shape(x.array))}) but {strategy!r} has {n} replicas. Use the "
+                    "strategy that produced it, or build it for this one "
+                    "(experimental_distribute_values_from_function)."
+                )

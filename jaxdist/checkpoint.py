@@ -331,18 +331,14 @@ def save(directory: str | os.PathLike[str], state: Any) -> None:
     """
     path = os.path.abspath(directory)
     saveable = to_saveable(state)
-    entries = _entries("jaxdist.checkpoint.save", saveable)
+    leaves = manifest_leaves("jaxdist.checkpoint.save", saveable)
     ckpt = _checkpointer()
     try:
         ckpt.save(path, saveable)
         ckpt.wait_until_finished()
     finally:
         ckpt.close()
-    manifest = {
-        "format": _FORMAT,
-        "version": 1,
-        "leaves": [{"path": list(p), **e} for p, e in entries.items()],
-    }
+    manifest = {"format": _FORMAT, "version": 1, "leaves": leaves}
     # Every process holds the whole host state, so each writes the same manifest (atomically,
     # through its own temporary file): one that restores right after its save finds it there
     # without waiting for another process.
@@ -352,38 +348,68 @@ def save(directory: str | os.PathLike[str], state: Any) -> None:
     os.replace(tmp, os.path.join(path, MANIFEST))
 
 
+def manifest_leaves(where: str, tree: Any) -> list[dict[str, Any]]:
+    """The manifest's record of a saved tree: path, dtype, shape and SHA-256 of each leaf."""
+    return [{"path": list(p), **e} for p, e in _entries(where, tree).items()]
+
+
+def _parse_leaves(leaves: Any) -> dict[tuple[str, ...], dict[str, Any]]:
+    """`manifest_leaves` as read back from JSON (KeyError/TypeError when damaged)."""
+    out = {}
+    for e in leaves:
+        out[tuple(str(t) for t in e["path"])] = {
+            "dtype": str(e["dtype"]),
+            "shape": [int(d) for d in e["shape"]],
+            "sha256": str(e["sha256"]),
+        }
+    return out
+
+
+_SKIP = "pass verify=False to restore without checking (at your own risk)"
+
+
 def _read_manifest(where: str, path: str) -> dict[tuple[str, ...], dict[str, Any]]:
     file = os.path.join(path, MANIFEST)
-    skip = "pass verify=False to restore without checking (at your own risk)"
     if not os.path.exists(file):
         raise ValueError(
             f"{where}: {path} has no checksum manifest {MANIFEST}: the save did not finish, "
             f"or the checkpoint was not written by jaxdist.checkpoint.save. Restore an earlier "
-            f"checkpoint, or {skip}."
+            f"checkpoint, or {_SKIP}."
         )
     try:
         with open(file, encoding="utf-8") as f:
             manifest = json.load(f)
         if manifest.get("format") != _FORMAT:
             raise ValueError(f"format is {manifest.get('format')!r}, not {_FORMAT!r}")
-        out = {}
-        for e in manifest["leaves"]:
-            out[tuple(str(t) for t in e["path"])] = {
-                "dtype": str(e["dtype"]),
-                "shape": [int(d) for d in e["shape"]],
-                "sha256": str(e["sha256"]),
-            }
-        return out
+        return _parse_leaves(manifest["leaves"])
     except (ValueError, KeyError, TypeError, AttributeError) as e:
-        raise ValueError(
-            f"{where}: the checksum manifest {file} is damaged ({type(e).__name__}: {e}), so "
-            f"the checkpoint in {path} cannot be verified. Restore an earlier checkpoint, or "
-            f"{skip}."
-        ) from None
+        raise _damaged(where, f"the checksum manifest {file}", path, e) from None
+
+
+def _damaged(where: str, record: str, path: str, error: Exception) -> ValueError:
+    return ValueError(
+        f"{where}: {record} is damaged ({type(error).__name__}: {error}), so the checkpoint "
+        f"in {path} cannot be verified. Restore an earlier checkpoint, or {_SKIP}."
+    )
+
+
+def verify_leaves(where: str, path: str, leaves: Any, restored: Any) -> None:
+    """Checks a restored tree against its `manifest_leaves` record (``leaves``, as read
+    back from JSON); raises ValueError naming the first leaf that differs."""
+    try:
+        expected = _parse_leaves(leaves)
+    except (KeyError, TypeError, AttributeError, ValueError) as e:
+        raise _damaged(where, "the checksum record in its metadata", path, e) from None
+    _compare(where, path, expected, restored)
 
 
 def _verify(where: str, path: str, restored: Any) -> None:
-    expected = _read_manifest(where, path)
+    _compare(where, path, _read_manifest(where, path), restored)
+
+
+def _compare(
+    where: str, path: str, expected: dict[tuple[str, ...], dict[str, Any]], restored: Any
+) -> None:
     found = _entries(where, restored)
     fix = "Restore an earlier checkpoint; this one was changed or damaged after it was written."
     if set(found) != set(expected):

@@ -164,3 +164,16 @@ def from_generator(generator_fn: Callable[[], Iterable[Any]]) -> GeneratorDatase
             f"of batches, got a {type(generator_fn).__name__}.{hint}"
         )
     return GeneratorDataset(generator_fn)
+
+
+class NumpyRows:
+    """Rows of in-memory arrays, to be batched (`Strategy.experimental_make_numpy_dataset`,
+    TF 1.x's name): ``.batch(n)`` is ``from_arrays(*arrays, batch_size=n)``."""
+
+    def __init__(self, numpy_input: Any) -> None:
+        self._input = numpy_input
+
+    def batch(self, batch_size: int, drop_remainder: bool = False) -> ArrayDataset:
+        data = self._input
+        arrays = data if isinstance(data, tuple) else (data,)
+        return from_arrays(*arrays, batch_size=batch_size, drop_remainder=drop_remainder)

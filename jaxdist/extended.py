@@ -22,6 +22,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxdist._jax_compat import is_tracer
 from jaxdist._placement import broadcast_to, check_pairs, destination_sharding, place
+from jaxdist._strategy_checks import check_counts
 from jaxdist._variable_meta import colocate_with
 from jaxdist.communication import CommunicationOptions, resolve_options
 from jaxdist.context import check_cross_replica
@@ -471,7 +472,8 @@ class StrategyExtended:
         ops = strategy.cross_device_ops
         ops._options(opts, where)  # checked against the ops' defaults
         for value, _ in pairs:
-            strategy._check_counts(
+            check_counts(
+                strategy,
                 where,
                 [as_distributed(x) for x in jax.tree.leaves(value, is_leaf=is_distributed)],
             )

@@ -31,12 +31,14 @@ from jaxdist._mesh_placement import (
 )
 from jaxdist._programs import LoweredStep, Program, program_for
 from jaxdist._strategy_checks import (
+    check_counts,
     check_mesh,
     check_not_empty,
     check_numeric,
     nested_run_error,
 )
 from jaxdist.context import _STATE, check_cross_replica, current_state, strategy_scope
+from jaxdist.data import NumpyRows
 from jaxdist.extended import StrategyExtended
 from jaxdist.options import RunOptions
 from jaxdist.reduce import CrossDeviceOps, NcclAllReduce, ReduceOp
@@ -228,11 +230,13 @@ class Strategy:
             and kwargs is None
         ):
             program = last[1]  # the same function again: the fast path
-            if not self._gate and not self._parameter_placed and _STATE.get().replica is None:
+            if not self._parameter_placed and _STATE.get().replica is None:
                 try:
+                    if self._gate:
+                        return _dispatch.gated_call(program.jitted, args, {})
                     return program.jitted(args, {})
                 except (TypeError, ValueError) as e:
-                    return self._recover(program, args, {}, e)
+                    return self._recover_gated(program, args, {}, e)
             return self._dispatch(program, args, {})
         if not callable(fn):
             raise TypeError(
@@ -307,6 +311,14 @@ class Strategy:
         args, kwargs = onto_mesh(self, (args, kwargs))
         return program(args, kwargs)
 
+    def _recover_gated(
+        self, program: Program, args: tuple[Any, ...], kwargs: dict[str, Any], error: Exception
+    ) -> Any:
+        """`_recover` after a failed fast-path call, under the CPU gate when it retries."""
+        if self._gate:
+            return _dispatch.gated(lambda: self._recover(program, args, kwargs, error))
+        return self._recover(program, args, kwargs, error)
+
     def _mesh_replicated(self) -> NamedSharding:
         return NamedSharding(self._mesh, P())
 
@@ -339,14 +351,17 @@ class Strategy:
                 f"{type(options).__name__}."
             )
         program = Program(_strong(fn), self, options, plain=False)
-        dispatch, recover, jitted = self._dispatch, self._recover, program.jitted
-        direct = not self._gate and not self._parameter_placed
+        dispatch, recover, jitted = self._dispatch, self._recover_gated, program.jitted
+        direct = not self._parameter_placed
+        gate = _dispatch.gated_call if self._gate else None
         state = _STATE.get
 
         @functools.wraps(fn)
         def replicated(*args: Any, **kwargs: Any) -> Any:
             if direct and state().replica is None:  # `_dispatch` with nothing to do around it
                 try:
+                    if gate is not None:
+                        return gate(jitted, args, kwargs)
                     return jitted(args, kwargs)
                 except (TypeError, ValueError) as e:
                     return recover(program, args, kwargs, e)
@@ -391,7 +406,7 @@ class Strategy:
         check_numeric(self, where, value)
         leaves, treedef = jax.tree.flatten(value, is_leaf=is_distributed)
         leaves = [as_distributed(x) for x in leaves]
-        self._check_counts(where, leaves)
+        check_counts(self, where, leaves)
         if op in (ReduceOp.MAX, ReduceOp.MIN):
             check_not_empty(where, op, leaves, axis)
         spread = [x for x in leaves if isinstance(x, DistributedValues)]
@@ -424,8 +439,8 @@ class Strategy:
             )
         n = self.num_replicas_in_sync
         check_numeric(self, where, value)
-        self._check_counts(
-            where, [as_distributed(x) for x in jax.tree.leaves(value, is_leaf=is_distributed)]
+        check_counts(
+            self, where, [as_distributed(x) for x in jax.tree.leaves(value, is_leaf=is_distributed)]
         )
         return self._gated(
             lambda: jax.tree.map(
@@ -445,24 +460,10 @@ class Strategy:
         leaves = [as_distributed(x) for x in leaves]
         if not any(isinstance(x, DistributedValues) for x in leaves):
             return (value,)
-        self._check_counts(self._name("experimental_local_results"), leaves)
+        check_counts(self, self._name("experimental_local_results"), leaves)
         n_local = len(self.extended.worker_devices)
         columns = [x.values if isinstance(x, DistributedValues) else (x,) * n_local for x in leaves]
         return tuple(jax.tree.unflatten(treedef, list(row)) for row in zip(*columns, strict=True))
-
-    def _check_counts(self, where: str, leaves: Sequence[Any]) -> None:
-        """Every `PerReplica` leaf must have one row per replica of this strategy."""
-        n = self.num_replicas_in_sync
-        for x in leaves:
-            if isinstance(x, PerReplica):
-                rows = x.array.shape[0] if np.ndim(x.array) else 0
-                if rows != n:
-                    raise ValueError(
-                        f"{where}: a PerReplica value has {rows} per-replica values (shape "
-                        f"{tuple(np.shape(x.array))}) but {self!r} has {n} replicas. Use the "
-                        "strategy that produced it, or build it for this one "
-                        "(experimental_distribute_values_from_function)."
-                    )
 
     def experimental_distribute_values_from_function(
         self, value_fn: Callable[[ValueContext], Any]
@@ -567,7 +568,7 @@ class Strategy:
         ``jd.data.from_arrays(x, y, batch_size=64)``, a dataset of global batches
         for `experimental_distribute_dataset`.
         """
-        return _NumpyRows(numpy_input)
+        return NumpyRows(numpy_input)
 
     def experimental_run(self, fn: Callable[..., Any], input_iterator: Any = None) -> Any:
         """TF 1.x style: runs ``fn(ctx, inputs)`` on the next element of ``input_iterator``
@@ -575,24 +576,3 @@ class Strategy:
         if input_iterator is None:
             return self.run(fn)
         return self.run(fn, args=(next(input_iterator),))
-
-
-class _NumpyRows:
-    """Rows of in-memory arrays, to be batched (`Strategy.experimental_make_numpy_dataset`)."""
-
-    def __init__(self, numpy_input: Any) -> None:
-        self._input = numpy_input
-
-    def batch(self, batch_size: int, drop_remainder: bool = False) -> Any:
-        from jaxdist.data import from_arrays
-
-        data = self._input
-        arrays = data if isinstance(data, tuple) else (data,)
-        return from_arrays(*arrays, batch_size=batch_size, drop_remainder=drop_remainder)
-
-
-def _local_column(x: Any, n_local: int) -> tuple[Any, ...]:
-    if not isinstance(x, DistributedValues):
-        return (x,) * n_local
-    values = x.values
-    return values * n_local if len(values) == 1 and n_local > 1 else values

@@ -326,6 +326,26 @@ _FIELD_NAMES: dict[type, tuple[str, ...]] = {
     Mirrored: ("array",),
 }
 
+_new = object.__new__
+_set = object.__setattr__
+
+
+# Unflattening runs on every output of every program call: build the value directly.
+def _unflatten_per_replica(_: None, children: Any) -> PerReplica:
+    array, valid = children
+    v = _new(PerReplica)
+    _set(v, "array", array)
+    _set(v, "valid", valid)
+    return v
+
+
+def _unflatten_mirrored(_: None, children: Any) -> Mirrored:
+    (array,) = children
+    v = _new(Mirrored)
+    _set(v, "array", array)
+    return v
+
+
 jax.tree_util.register_pytree_with_keys(
     PerReplica,
     lambda v: (
@@ -335,13 +355,13 @@ jax.tree_util.register_pytree_with_keys(
         ),
         None,
     ),
-    lambda _, children: _make(PerReplica, tuple(children)),
+    _unflatten_per_replica,
     lambda v: ((v.array, v.valid), None),
 )
 jax.tree_util.register_pytree_with_keys(
     Mirrored,
     lambda v: (((jax.tree_util.GetAttrKey("array"), v.array),), None),
-    lambda _, children: _make(Mirrored, tuple(children)),
+    _unflatten_mirrored,
     lambda v: ((v.array,), None),
 )
 

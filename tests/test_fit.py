@@ -461,6 +461,47 @@ def test_checkpoint_of_functional_state_and_random_streams(tmp_path) -> None:
         jd.training.restore_checkpoint(tmp_path / "c", template, other_rngs, step=5)
 
 
+def test_checkpoint_checksums_are_verified(tmp_path) -> None:
+    """Each fit checkpoint records every array's SHA-256; a changed value or missing
+    checksums refuse to restore unless verify=False."""
+    import json
+
+    state = {"w": jnp.arange(6.0).reshape(2, 3), "n": jnp.int32(5), "h": jnp.ones(2, jnp.bfloat16)}
+    loop = jd.training.FitLoop(jd.get_strategy(), (state,), (True,), step=3)
+    ckpt = jd.training.Checkpoint(tmp_path / "c", async_write=False)
+    ckpt.set_loop(loop)
+    ckpt.save()
+    ckpt.close()
+    template = jax.tree.map(jnp.zeros_like, state)
+    r = jd.training.restore_checkpoint(tmp_path / "c", template)
+    jax.tree.map(np.testing.assert_array_equal, r.state, state)
+
+    meta_file = tmp_path / "c" / "3" / "meta" / "metadata"
+    meta = json.loads(meta_file.read_text())
+    assert {e["sha256"] for e in meta["leaves"]} and len(meta["leaves"]) == 3
+    # The record and the data disagree (as after a damaged write): refused, naming the array.
+    for e in meta["leaves"]:
+        if e["path"] == ["0", "w"]:
+            e["sha256"] = "0" * 64
+    meta_file.write_text(json.dumps(meta))
+    with pytest.raises(
+        ValueError, match=r"leaf \[0\]\['w'\] of the checkpoint in .*c.3 does not match"
+    ):
+        jd.training.restore_checkpoint(tmp_path / "c", template)
+    meta["leaves"] = [{"path": ["0", "w"]}]
+    meta_file.write_text(json.dumps(meta))
+    with pytest.raises(ValueError, match=r"checksum record in its metadata is damaged \(KeyError"):
+        jd.training.restore_checkpoint(tmp_path / "c", template)
+    # No checksums at all (an earlier jaxdist's checkpoint): refused with the way out.
+    del meta["leaves"]
+    meta_file.write_text(json.dumps(meta))
+    with pytest.raises(ValueError, match=r"carries no checksums .* Pass verify=False"):
+        jd.training.restore_checkpoint(tmp_path / "c", template)
+    r = jd.training.restore_checkpoint(tmp_path / "c", template, verify=False)
+    assert r.step == 3
+    jax.tree.map(np.testing.assert_array_equal, r.state, state)
+
+
 def test_unfinished_writes_are_ignored_and_old_runs_refused(tmp_path) -> None:
     strategy = jd.MirroredStrategy(jax.devices()[:2])
     model, opt = _make(strategy)

@@ -280,8 +280,8 @@ def _flip_middle_byte_of_largest_data_file(directory: str) -> None:
 
 
 def test_checkpoint_claims_hold_for_a_flipped_byte() -> None:
-    """README: `jd.checkpoint.restore` detects a flipped data byte; fit's checkpoints
-    have no checksum of jaxdist's (orbax may or may not notice)."""
+    """README: `jd.checkpoint.restore` and `jd.training.restore_checkpoint` both detect a
+    flipped data byte; ``verify=False`` restores without checking."""
     values = jnp.arange(100_000, dtype=jnp.float32)
     with tempfile.TemporaryDirectory() as tmp:
         jd.checkpoint.save(os.path.join(tmp, "plain"), {"w": values})
@@ -297,14 +297,20 @@ def test_checkpoint_claims_hold_for_a_flipped_byte() -> None:
         ckpt.set_loop(loop)
         ckpt.save()
         ckpt.close()
+        intact = jd.training.restore_checkpoint(ckpt.directory, {"w": jnp.zeros(100_000)})
+        np.testing.assert_array_equal(np.asarray(intact.state["w"]), np.asarray(values))
         _flip_middle_byte_of_largest_data_file(ckpt.directory)
+        with pytest.raises(
+            ValueError,
+            match=r"jaxdist\.training\.restore_checkpoint: leaf \[0\]\['w'\] of the "
+            r"checkpoint in .*fit.1 does not match its manifest: sha256 is",
+        ):
+            jd.training.restore_checkpoint(ckpt.directory, {"w": jnp.zeros(100_000)})
         try:
-            restored = jd.training.restore_checkpoint(ckpt.directory, {"w": jnp.zeros(100_000)})
-        except Exception as err:  # orbax's own format checks caught this one
-            text = str(err).lower()
-            assert "checksum" not in text and "manifest" not in text, (
-                "fit's checkpoints are verified now; README.md's Checkpoints section says "
-                f"they carry no checksum: update it. ({err})"
+            unchecked = jd.training.restore_checkpoint(
+                ckpt.directory, {"w": jnp.zeros(100_000)}, verify=False
             )
+        except Exception as err:  # orbax's own format checks may catch the flip
+            assert "manifest" not in str(err), err
         else:
-            assert not np.array_equal(np.asarray(restored.state["w"]), np.asarray(values))
+            assert not np.array_equal(np.asarray(unchecked.state["w"]), np.asarray(values))

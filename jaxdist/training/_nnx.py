@@ -20,6 +20,8 @@ flax is imported lazily: jaxdist does not depend on it.
 
 from __future__ import annotations
 
+import collections
+import itertools
 import operator
 import sys
 from collections.abc import Sequence
@@ -48,6 +50,8 @@ def _path_str(path: Sequence[Any]) -> str:
 
 
 _setattr = object.__setattr__
+_RAW_VALUE = itertools.repeat("_raw_value")
+_drain: Any = collections.deque(maxlen=0).extend  # runs an iterator to its end, in C
 _dict_values: Any = dict.values
 
 
@@ -116,8 +120,11 @@ class StateCache:
 
         Called outside any trace, so NNX's trace-level check has nothing to guard.
         """
-        for var, value in zip(self.variables, values, strict=True):
-            _setattr(var, "_raw_value", value)
+        if len(values) != len(self.variables):
+            raise ValueError(
+                f"jaxdist: {len(values)} values for {len(self.variables)} NNX variables."
+            )
+        _drain(map(_setattr, self.variables, _RAW_VALUE, values))
 
     def rebuild(self, values: Sequence[Any]) -> tuple[Any, ...]:
         """New NNX objects (inside a trace) holding ``values``, with this structure."""

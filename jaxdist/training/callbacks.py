@@ -11,6 +11,9 @@ states (a `TrainState`, any pytree of arrays) as they are, every array as a
 host copy. orbax writes each checkpoint into a temporary directory and
 renames it when complete, so a checkpoint on disk is always whole; an
 interrupted write leaves only a temporary directory that restoring ignores.
+Each checkpoint also records the SHA-256 of every array (beside the step, in
+its JSON metadata); `restore_checkpoint` verifies them, so a file damaged
+after it was written cannot restore silently.
 `restore_checkpoint` puts a checkpoint back: NNX objects in place, functional
 states returned. `EarlyStopping` stops when a monitored metric stops
 improving and can put the best state back.
@@ -23,6 +26,7 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
+from jaxdist.checkpoint import manifest_leaves, verify_leaves
 from jaxdist.training._nnx import is_nnx_node
 from jaxdist.training._state_io import (
     host_state,
@@ -187,7 +191,7 @@ def functional_result(state: tuple[Any, ...], functional: Sequence[bool]) -> Any
 
 
 def restore_checkpoint(
-    directory: str | os.PathLike[str], *state: Any, step: int | None = None
+    directory: str | os.PathLike[str], *state: Any, step: int | None = None, verify: bool = True
 ) -> Restored:
     """Restores a checkpoint written by `Checkpoint` into ``state``.
 
@@ -200,6 +204,8 @@ def restore_checkpoint(
         directory: the directory given to `Checkpoint`.
         *state: the state arguments, as given to `fit` (same order).
         step: the checkpoint to read; the latest complete one by default.
+        verify: check every array against the checksums saved with it first
+            (ValueError naming the first one that differs).
 
     Returns:
         A `Restored` with the functional state(s), the step and the epoch;
@@ -248,9 +254,18 @@ def restore_checkpoint(
         )
     finally:
         manager.close()
+    meta = read["meta"]
+    if verify:
+        where_step = os.path.join(path, str(step))
+        if not isinstance(meta, Mapping) or "leaves" not in meta:
+            raise ValueError(
+                f"{where}: the checkpoint in {where_step} carries no checksums (it was written "
+                "by an earlier jaxdist, or its metadata was replaced), so it cannot be "
+                "verified. Pass verify=False to restore it without checking."
+            )
+        verify_leaves(where, where_step, meta["leaves"], read["state"])
     functional = tuple(not is_nnx_node(s) for s in state)
     restored = load_state(read["state"], tuple(state), where)
-    meta = read["meta"]
     return Restored(functional_result(restored, functional), int(meta["step"]), int(meta["epoch"]))
 
 
@@ -342,11 +357,16 @@ class Checkpoint(Callback):
         self._open()
         ocp = _orbax("jaxdist.training.Checkpoint")
         epoch = loop.epoch + 1 if loop.at_epoch_end else loop.epoch
-        meta = {"step": loop.step, "epoch": epoch}
+        host = host_state(loop.state)
+        meta = {
+            "step": loop.step,
+            "epoch": epoch,
+            "leaves": manifest_leaves("jaxdist.training.Checkpoint", host),
+        }
         saved = self._manager.save(
             loop.step,
             args=ocp.args.Composite(
-                state=ocp.args.StandardSave(host_state(loop.state)),
+                state=ocp.args.StandardSave(host),
                 meta=ocp.args.JsonSave(meta),
             ),
         )

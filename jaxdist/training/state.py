@@ -162,9 +162,16 @@ class TrainState:
         return f"TrainState(step={self.step!r}, params=..., opt_state=...{extras})"
 
 
+_NO_KEYS: tuple[str, ...] = ()
+
+
+# flatten/unflatten run on every step's arguments and outputs: kept to plain attribute work.
 def _flatten(s: TrainState) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
-    keys = tuple(sorted(s.extra))
-    children = (s.step, s.params, s.opt_state, *(s.extra[k] for k in keys))
+    extra = s.extra
+    if not extra:
+        return (s.step, s.params, s.opt_state), (s.apply_fn, s.tx, _NO_KEYS)
+    keys = tuple(sorted(extra))
+    children = (s.step, s.params, s.opt_state, *(extra[k] for k in keys))
     return children, (s.apply_fn, s.tx, keys)
 
 
@@ -176,17 +183,20 @@ def _flatten_with_keys(s: TrainState) -> tuple[tuple[Any, ...], tuple[Any, ...]]
     ), aux
 
 
+_new = object.__new__
+_set = object.__setattr__
+
+
 def _unflatten(aux: tuple[Any, ...], children: Any) -> TrainState:
     apply_fn, tx, keys = aux
-    step, params, opt_state, *rest = children
-    return TrainState(
-        step=step,
-        params=params,
-        opt_state=opt_state,
-        apply_fn=apply_fn,
-        tx=tx,
-        extra=dict(zip(keys, rest, strict=True)),
-    )
+    s = _new(TrainState)
+    _set(s, "step", children[0])
+    _set(s, "params", children[1])
+    _set(s, "opt_state", children[2])
+    _set(s, "apply_fn", apply_fn)
+    _set(s, "tx", tx)
+    _set(s, "extra", dict(zip(keys, children[3:], strict=True)) if keys else {})
+    return s
 
 
 jax.tree_util.register_pytree_with_keys(TrainState, _flatten_with_keys, _unflatten, _flatten)

@@ -28,6 +28,7 @@ The NNX graph is walked once per structure, not per call (see
 from __future__ import annotations
 
 import functools
+import operator
 from collections.abc import Callable
 from typing import Any
 
@@ -83,7 +84,7 @@ class _ObjectRef:
 class _Layout:
     """Where the NNX objects and `TrainState`s sit among one call's arguments."""
 
-    __slots__ = ("kinds", "nnx_pos", "state_pos", "treedef")
+    __slots__ = ("_others", "_states", "kinds", "nnx_pos", "state_pos", "treedef")
 
     def __init__(self, leaves: list[Any], treedef: Any) -> None:
         self.treedef = treedef
@@ -93,15 +94,15 @@ class _Layout:
         )
         self.nnx_pos = [i for i, k in enumerate(self.kinds) if k == _NNX]
         self.state_pos = [i for i, k in enumerate(self.kinds) if k == _STATE]
+        self._states = _picker(self.state_pos)
+        self._others = _picker([i for i, k in enumerate(self.kinds) if k == _OTHER])
 
     def key(self) -> tuple[Any, ...]:
         return (self.treedef, self.kinds)
 
     def split(self, leaves: list[Any]) -> tuple[list[Any], list[Any]]:
         """(the `TrainState` leaves, the other leaves), in order."""
-        states = [leaves[i] for i in self.state_pos]
-        others = [x for x, k in zip(leaves, self.kinds, strict=True) if k == _OTHER]
-        return states, others
+        return self._states(leaves), self._others(leaves)
 
     def join(self, objects: tuple[Any, ...], states: list[Any], others: list[Any]) -> list[Any]:
         it_obj, it_state, it_other = iter(objects), iter(states), iter(others)
@@ -111,6 +112,17 @@ class _Layout:
                 next(it_obj) if k == _NNX else next(it_state) if k == _STATE else next(it_other)
             )
         return out
+
+
+def _picker(positions: list[int]) -> Callable[[list[Any]], list[Any]]:
+    """A function returning the leaves at ``positions``, as a list (per call: no Python loop)."""
+    if not positions:
+        return lambda leaves: []
+    if len(positions) == 1:
+        (i,) = positions
+        return lambda leaves: [leaves[i]]
+    get = operator.itemgetter(*positions)
+    return lambda leaves: list(get(leaves))
 
 
 class _StepProgram:

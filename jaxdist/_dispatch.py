@@ -69,12 +69,3 @@ def gated(dispatch: Callable[[], Any]) -> Any:
 
 def _call_thunk(thunk: Callable[[], Any], _: Any) -> Any:
     return thunk()
-
-
-def wait_for_previous() -> None:
-    """Blocks until the last gated program's outputs are ready."""
-    with _lock:
-        prev = _last[0]
-        _last[0] = None
-    if prev is not None:
-        prev.block_until_ready()

@@ -42,7 +42,7 @@ RECOMPILE_WARNING_AFTER = 16
 class Program:
     """A replica function compiled for one strategy and one set of options."""
 
-    __slots__ = ("__weakref__", "jitted", "strategy")
+    __slots__ = ("__weakref__", "call", "jitted", "strategy")
 
     def __init__(
         self,
@@ -67,10 +67,8 @@ class Program:
         if opts.experimental_xla_options:
             jit_kwargs["compiler_options"] = dict(opts.experimental_xla_options)
         self.jitted = jax.jit(program, **jit_kwargs)
+        self.call = self.jitted  # what `Strategy._dispatch` calls with (args, kwargs)
         self.strategy = strategy
-
-    def __call__(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        return self.jitted(args, kwargs)
 
     def lower(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> LoweredStep:
         return LoweredStep(self.jitted.lower(args, kwargs))

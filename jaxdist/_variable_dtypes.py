@@ -1,5 +1,6 @@
 """Variable dtypes: TF's dtype rules for initial values, lossy casts, exact integer splits
-(private; used by `jaxdist.variables` and `jaxdist.checkpoint`)."""
+(private; used by `jaxdist.variables` and `jaxdist.checkpoint`; `numeric` also by the
+strategy and input checks)."""
 
 from __future__ import annotations
 

@@ -74,7 +74,8 @@ _FORMAT = "jaxdist-checkpoint-manifest"
 _LIST_AT_MOST = 5
 
 
-def _is_node(x: Any) -> bool:
+def is_saved_node(x: Any) -> bool:
+    """Leaves of a saved tree that are saved as one value each: variables, distributed values."""
     return isinstance(x, (Variable, DistributedValues))
 
 
@@ -95,13 +96,13 @@ def to_saveable(state: Any) -> Any:
     Returns:
         The same structure with NumPy arrays at the leaves.
     """
-    return jax.tree.map(_saved_value, state, is_leaf=_is_node)
+    return jax.tree.map(_saved_value, state, is_leaf=is_saved_node)
 
 
 # Paths ------------------------------------------------------------------------------
 
 
-def _tokens(path: Sequence[Any]) -> tuple[str, ...]:
+def path_tokens(path: Sequence[Any]) -> tuple[str, ...]:
     """A key path as names, the same for a dict key, an attribute or a position (orbax
     restores tuples as lists and custom nodes as dicts)."""
     out = []
@@ -130,8 +131,8 @@ def _listed(paths: Sequence[tuple[str, ...]]) -> str:
 def _indexed(where: str, tree: Any) -> dict[tuple[str, ...], Any]:
     """The leaves of a saved tree by path."""
     out: dict[tuple[str, ...], Any] = {}
-    for path, leaf in jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_node)[0]:
-        key = _tokens(path)
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_saved_node)[0]:
+        key = path_tokens(path)
         if key in out:
             raise ValueError(
                 f"{where}: the saved state has two entries named {_show(key)} (for example the "
@@ -241,14 +242,14 @@ def _restore_leaf(where: str, name: str, saved: Any, t: Any) -> Any:
                 f"checkpoint, but the template has the string {t!r:.40} there. Restore into a "
                 "template built like the state that was saved."
             )
-        return str(s.item() if s.dtype.kind == "U" else s.item().decode())
+        return s.item() if s.dtype.kind == "U" else s.item().decode()
     return saved  # not an array or a string: kept as saved
 
 
 def _restore_tree(where: str, saved: Any, template: Any) -> Any:
     leaves = _indexed(where, saved)
-    t_flat, t_def = jax.tree_util.tree_flatten_with_path(template, is_leaf=_is_node)
-    t_keys = [_tokens(path) for path, _ in t_flat]
+    t_flat, t_def = jax.tree_util.tree_flatten_with_path(template, is_leaf=is_saved_node)
+    t_keys = [path_tokens(path) for path, _ in t_flat]
     known = set(t_keys)
     missing = [k for k in t_keys if k not in leaves]
     extra = [k for k in leaves if k not in known]

@@ -10,7 +10,6 @@ copy of a variable, as TF's does, with a view of the copy that has
 
 from __future__ import annotations
 
-import operator
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -24,6 +23,7 @@ from jaxdist._jax_compat import is_tracer
 from jaxdist._placement import broadcast_to, check_pairs, destination_sharding, place
 from jaxdist._strategy_checks import check_counts
 from jaxdist._variable_meta import colocate_with
+from jaxdist._variable_ops import ReadsLikeAnArray
 from jaxdist.communication import CommunicationOptions, resolve_options
 from jaxdist.context import check_cross_replica
 from jaxdist.reduce import ReduceOp
@@ -76,7 +76,7 @@ def _first_replica(x: Any) -> Any:
     return jnp.asarray(x)
 
 
-class _CopyView:
+class _CopyView(ReadsLikeAnArray):
     """One copy of a variable, as `StrategyExtended.update` hands it to ``fn``.
 
     Reads like an array (``read_value``, ``value``, operators, ``jnp``
@@ -160,32 +160,8 @@ class _CopyView:
         self._value = (self._value - self._coerce(delta, "assign_sub")).astype(self.dtype)
         return self
 
-    def __jax_array__(self) -> Any:
-        return self._value
-
-    def __array__(self, dtype: Any = None, copy: bool | None = None) -> np.ndarray:
-        return np.asarray(self._value, dtype=dtype)
-
-    def __float__(self) -> float:
-        return float(self._value)
-
-    def __int__(self) -> int:
-        return int(self._value)
-
-    def __bool__(self) -> bool:
-        return bool(self._value)
-
     def __len__(self) -> int:
         return len(self._value)
-
-    def __neg__(self) -> Any:
-        return -self._value
-
-    def __abs__(self) -> Any:
-        return abs(self._value)
-
-    def __getitem__(self, index: Any) -> Any:
-        return self._value[index]
 
 
 class _Copied:
@@ -210,35 +186,6 @@ jax.tree_util.register_pytree_node(
     lambda view: ((view._value,), _Copied(view._var)),
     lambda info, children: _CopyView(children[0], info.var),
 )
-
-
-def _binary(op: Callable[[Any, Any], Any], reflected: bool = False) -> Any:
-    def method(self: _CopyView, other: Any) -> Any:
-        other = other._value if isinstance(other, _CopyView) else other
-        return op(other, self._value) if reflected else op(self._value, other)
-
-    return method
-
-
-for _name, _op in [
-    ("add", operator.add),
-    ("sub", operator.sub),
-    ("mul", operator.mul),
-    ("truediv", operator.truediv),
-    ("floordiv", operator.floordiv),
-    ("mod", operator.mod),
-    ("pow", operator.pow),
-    ("matmul", operator.matmul),
-]:
-    setattr(_CopyView, f"__{_name}__", _binary(_op))
-    setattr(_CopyView, f"__r{_name}__", _binary(_op, reflected=True))
-for _name, _op in [
-    ("lt", operator.lt),
-    ("le", operator.le),
-    ("gt", operator.gt),
-    ("ge", operator.ge),
-]:
-    setattr(_CopyView, f"__{_name}__", _binary(_op))
 
 
 def _sharding(stored: Any) -> Any:

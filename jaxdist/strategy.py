@@ -229,15 +229,7 @@ class Strategy:
             and type(args) is tuple
             and kwargs is None
         ):
-            program = last[1]  # the same function again: the fast path
-            if not self._parameter_placed and _STATE.get().replica is None:
-                try:
-                    if self._gate:
-                        return _dispatch.gated_call(program.jitted, args, {})
-                    return program.jitted(args, {})
-                except (TypeError, ValueError) as e:
-                    return self._recover_gated(program, args, {}, e)
-            return self._dispatch(program, args, {})
+            return self._dispatch(last[1], args, {})  # the same function again: fast path
         if not callable(fn):
             raise TypeError(
                 f"{self._name('run')}: fn must be callable, got {type(fn).__name__} "
@@ -275,25 +267,31 @@ class Strategy:
         return tuple(args)
 
     def _dispatch(self, program: Program, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        """Runs a compiled program: the per-call path of `run`, `function` and `train_step`."""
-        state = current_state()
-        if state.replica is not None:
-            raise nested_run_error(type(self).__name__, state.merging)
+        """Runs a compiled program: the per-call path of `run`, `function` and `train_step`
+        (``program.call(args, kwargs)``, under the CPU gate when this strategy needs it)."""
+        if _STATE.get().replica is not None:
+            raise nested_run_error(type(self).__name__, current_state().merging)
         if self._parameter_placed:
-            args, kwargs = variables_to(self._mesh_replicated(), (args, kwargs))
-        if self._gate:
-            out = _dispatch.gated(lambda: self._call(program, args, kwargs))
-        else:
-            out = self._call(program, args, kwargs)
-        if self._parameter_placed:
-            out = variables_to(jax.sharding.SingleDeviceSharding(self.parameter_device), out)
-        return out
+            return self._dispatch_central(program, args, kwargs)
+        return self._call(program, args, kwargs)
 
     def _call(self, program: Program, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         try:
-            return program(args, kwargs)
+            if self._gate:
+                return _dispatch.gated_call(program.call, args, kwargs)
+            return program.call(args, kwargs)
         except (TypeError, ValueError) as e:
+            if self._gate:
+                return _dispatch.gated(functools.partial(self._recover, program, args, kwargs, e))
             return self._recover(program, args, kwargs, e)
+
+    def _dispatch_central(
+        self, program: Program, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Any:
+        """`_dispatch` for central storage: ON_WRITE variables visit the mesh for the call."""
+        args, kwargs = variables_to(self._mesh_replicated(), (args, kwargs))
+        out = self._call(program, args, kwargs)
+        return variables_to(jax.sharding.SingleDeviceSharding(self.parameter_device), out)
 
     def _recover(
         self, program: Program, args: tuple[Any, ...], kwargs: dict[str, Any], error: Exception
@@ -309,15 +307,7 @@ class Strategy:
         # Some argument is committed to devices outside this strategy's mesh (for
         # example one replica's local result): place it on the mesh and retry.
         args, kwargs = onto_mesh(self, (args, kwargs))
-        return program(args, kwargs)
-
-    def _recover_gated(
-        self, program: Program, args: tuple[Any, ...], kwargs: dict[str, Any], error: Exception
-    ) -> Any:
-        """`_recover` after a failed fast-path call, under the CPU gate when it retries."""
-        if self._gate:
-            return _dispatch.gated(lambda: self._recover(program, args, kwargs, error))
-        return self._recover(program, args, kwargs, error)
+        return program.call(args, kwargs)
 
     def _mesh_replicated(self) -> NamedSharding:
         return NamedSharding(self._mesh, P())
@@ -351,20 +341,10 @@ class Strategy:
                 f"{type(options).__name__}."
             )
         program = Program(_strong(fn), self, options, plain=False)
-        dispatch, recover, jitted = self._dispatch, self._recover_gated, program.jitted
-        direct = not self._parameter_placed
-        gate = _dispatch.gated_call if self._gate else None
-        state = _STATE.get
+        dispatch = self._dispatch
 
         @functools.wraps(fn)
         def replicated(*args: Any, **kwargs: Any) -> Any:
-            if direct and state().replica is None:  # `_dispatch` with nothing to do around it
-                try:
-                    if gate is not None:
-                        return gate(jitted, args, kwargs)
-                    return jitted(args, kwargs)
-                except (TypeError, ValueError) as e:
-                    return recover(program, args, kwargs, e)
             return dispatch(program, args, kwargs)
 
         def lower(*args: Any, **kwargs: Any) -> LoweredStep:

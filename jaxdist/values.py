@@ -133,13 +133,9 @@ def _no_single_value(kind: str) -> TypeError:
     )
 
 
-def _numeric(dtype: Any) -> bool:
-    """Whether JAX arrays can have ``dtype`` (numbers, bfloat16 and friends, bool)."""
-    return np.dtype(dtype) == np.bool_ or bool(jax.numpy.issubdtype(dtype, jax.numpy.number))
-
-
 def _stack(values: Sequence[Any]) -> Any:
     """TF's ``PerReplica((v0, v1, ...))``: one global array, placed by the current strategy."""
+    from jaxdist._variable_dtypes import numeric  # (it imports this module)
     from jaxdist.context import get_strategy
 
     if not values:
@@ -153,7 +149,7 @@ def _stack(values: Sequence[Any]) -> Any:
         )
     shapes = {tuple(np.shape(v)) for v in leaves}
     dtypes = {np.result_type(v) for v in leaves}
-    odd = sorted(str(d) for d in dtypes if not _numeric(d))
+    odd = sorted(str(d) for d in dtypes if not numeric(d))
     if odd:
         raise TypeError(
             f"PerReplica: the per-replica values have dtype {odd[0]}; a list of per-replica "

@@ -48,6 +48,12 @@ def _data(rows: int) -> tuple[np.ndarray, np.ndarray]:
     )
 
 
+def _first_batch(strategy: jd.Strategy, x: np.ndarray, y: np.ndarray, batch_size: int) -> Any:
+    """The first global batch of ``(x, y)``, distributed by ``strategy``."""
+    data = jd.data.from_arrays(x, y, batch_size=batch_size)
+    return next(iter(strategy.experimental_distribute_dataset(data)))
+
+
 def _plain(tree: Any) -> Any:
     """``tree`` with run outputs (`Mirrored`, `PerReplica`) replaced by their arrays."""
     is_dv = lambda x: isinstance(x, jd.DistributedValues)  # noqa: E731
@@ -90,9 +96,7 @@ def test_four_micro_batches_equal_one_batch_on_8_replicas() -> None:
     strategy = jd.MirroredStrategy()
     x, y = _data(64)
     params = _mlp_params()
-    batch = next(
-        iter(strategy.experimental_distribute_dataset(jd.data.from_arrays(x, y, batch_size=64)))
-    )
+    batch = _first_batch(strategy, x, y, 64)
     whole_loss, whole_grads = _steps(strategy, None)(params, batch)
     loss, grads = _steps(strategy, 4)(params, batch)
     np.testing.assert_allclose(value(loss), value(whole_loss), rtol=RTOL)
@@ -166,9 +170,7 @@ def test_regularization_is_counted_once_over_micro_batches_and_replicas() -> Non
     def step(ctx: jd.ReplicaContext, p: Any, batch: Any) -> Any:
         return ctx.all_reduce("sum", accumulate_gradients(loss_fn, p, batch, 4))
 
-    batch = next(
-        iter(strategy.experimental_distribute_dataset(jd.data.from_arrays(x, y, batch_size=16)))
-    )
+    batch = _first_batch(strategy, x, y, 16)
     loss, grads = strategy.run(step, args=(params, batch))
     ref_loss, ref_grads = jax.value_and_grad(
         lambda p: jnp.mean(_per_example(p, x, y)) + jnp.sum(p["w1"] ** 2)
@@ -224,9 +226,7 @@ def test_hlo_reduces_once_per_step_and_never_inside_the_loop() -> None:
     strategy = jd.MirroredStrategy()
     x, y = _data(64)
     params = _mlp_params()
-    batch = next(
-        iter(strategy.experimental_distribute_dataset(jd.data.from_arrays(x, y, batch_size=64)))
-    )
+    batch = _first_batch(strategy, x, y, 64)
     plain = _steps(strategy, None).lower(params, batch).compile().as_text()
     accumulated = _steps(strategy, 4).lower(params, batch).compile().as_text()
     assert _all_reduces(plain) > 0
@@ -266,9 +266,7 @@ def test_nnx_module_matches_nnx_value_and_grad_on_8_replicas() -> None:
     strategy = jd.MirroredStrategy()
     x, y = _data(64)
     model = _MLP(nnx.Rngs(0))
-    batch = next(
-        iter(strategy.experimental_distribute_dataset(jd.data.from_arrays(x, y, batch_size=64)))
-    )
+    batch = _first_batch(strategy, x, y, 64)
 
     @jd.train_step(strategy, donate=False)
     def step(ctx: jd.ReplicaContext, model: _MLP, batch: Any) -> Any:
@@ -345,9 +343,7 @@ def test_hlo_of_a_train_step_with_an_optimizer_reduces_once() -> None:
     4 micro-batches as without, one while loop for them, no all-reduce inside it."""
     strategy = jd.MirroredStrategy()
     x, y = _data(64)
-    batch = next(
-        iter(strategy.experimental_distribute_dataset(jd.data.from_arrays(x, y, batch_size=64)))
-    )
+    batch = _first_batch(strategy, x, y, 64)
     tx = optax.adamw(1e-3)
 
     def build(steps: int | None) -> Any:

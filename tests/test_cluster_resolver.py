@@ -1155,6 +1155,7 @@ def fake_jax(monkeypatch: pytest.MonkeyPatch) -> FakeJax:
     monkeypatch.setattr(init_mod, "_distributed_shutdown", fake.shutdown)
     monkeypatch.setattr(init_mod, "_backends_initialized", lambda: fake.backend_started)
     monkeypatch.setattr(init_mod, "_external_cluster", lambda: fake.external)
+    monkeypatch.setattr(sys, "excepthook", sys.excepthook)  # initialize replaces it
     return fake
 
 
@@ -1422,6 +1423,28 @@ def test_explicit_resolvers_give_initialize_their_arguments(
         processes,
         process_id,
     )
+    shutdown()
+
+
+def test_uncaught_exception_ends_a_multi_process_job_at_once(
+    monkeypatch: pytest.MonkeyPatch, fake_jax: FakeJax, capsys: pytest.CaptureFixture[str]
+) -> None:
+    exits: list[int] = []
+    monkeypatch.setattr(os, "_exit", exits.append)
+    python_hook = sys.excepthook
+    initialize(workers(0, "w0:1"))  # one process: Python's own exit
+    assert sys.excepthook is python_hook
+    initialize(workers(0, "w0:1", "w1:1"))
+    assert sys.excepthook is not python_hook
+    sys.excepthook(RuntimeError, RuntimeError("boom"), None)
+    sys.excepthook(KeyboardInterrupt, KeyboardInterrupt(), None)
+    assert exits == [1, 130]  # at once, not through jax.distributed's shutdown barrier
+    assert "RuntimeError: boom" in capsys.readouterr().err  # after the traceback
+    shutdown()
+    monkeypatch.setattr(sys, "excepthook", python_hook)
+    monkeypatch.setenv("JAXDIST_EXIT_ON_ERROR", "0")
+    initialize(workers(0, "w0:1", "w1:1"))
+    assert sys.excepthook is python_hook
     shutdown()
 
 

@@ -248,6 +248,9 @@ def test_bad_input_errors(mirrored8: jd.MirroredStrategy) -> None:
             [np.zeros(8)],
             jd.InputOptions(experimental_auto_shard_policy=jd.experimental.AutoShardPolicy.FILE),
         )
+    # A string would silently act as DATA (only the enum members are compared).
+    with pytest.raises(TypeError, match=r"experimental_auto_shard_policy=...\): expected an"):
+        jd.InputOptions(experimental_auto_shard_policy="OFF")  # type: ignore[arg-type]
 
     def failing():
         yield np.zeros(8)
@@ -382,3 +385,20 @@ def test_batches_do_not_share_memory_with_the_source() -> None:
     s = jd.MirroredStrategy()
     got = [float(np.asarray(b.array).mean()) for b in s.experimental_distribute_dataset(gen())]
     assert got == [0.0, 1.0, 2.0]
+
+
+def test_full_batches_share_one_device_copy_of_their_valid_counts(
+    mirrored8: jd.MirroredStrategy,
+) -> None:
+    x = np.arange(40, dtype=np.float32)
+    glob = list(mirrored8.experimental_distribute_dataset(jd.data.from_arrays(x, batch_size=16)))
+    per = list(
+        mirrored8.distribute_datasets_from_function(
+            lambda ctx: jd.data.from_arrays(x, batch_size=2)
+        )
+    )
+    # Global batches of 16, 16, 8 rows; per-replica steps of 8, 8, 4 batches of 2 rows.
+    for batches, last in ((glob, [1] * 8), (per, [2] * 4 + [0] * 4)):
+        assert batches[0].valid is batches[1].valid  # placed once, not per step
+        np.testing.assert_array_equal(np.asarray(batches[0].valid), [2] * 8)
+        np.testing.assert_array_equal(np.asarray(batches[2].valid), last)

@@ -3,8 +3,8 @@
 Most tests start the launcher as its own process and child scripts that need no
 JAX (tests/launch_scripts/launch_child.py); each takes a few seconds at most. The
 launcher file is run directly (``python -P jaxdist/launch.py``), which behaves as
-``python -m jaxdist.launch`` without importing jax into every launcher (tested
-separately); one end-to-end test runs a `jax.distributed` psum over 2 x 2 devices.
+``python -m jaxdist.launch`` (tested separately); one end-to-end test runs a
+`jax.distributed` psum over 2 x 2 devices.
 
 The last tests start real MultiWorkerMirroredStrategy jobs (2 processes x 4 devices,
 training with gloo collectives, tests/mp_scripts/launched_training.py) through

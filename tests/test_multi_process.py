@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 import jaxdist as jd
 from jaxdist.strategies import multi_worker
@@ -175,6 +176,8 @@ def test_nnx_training_matches_one_process(results) -> None:
     for r in two:
         np.testing.assert_allclose(r["nnx_kernel"], one["nnx_kernel"], rtol=RTOL, atol=ATOL)
         np.testing.assert_allclose(r["nnx_loss"], one["nnx_loss"], rtol=RTOL)
+    init = nnx.Linear(wl.FEATURES, 1, rngs=nnx.Rngs(0)).kernel.get_value()
+    assert not np.allclose(one["nnx_kernel"], np.asarray(init).ravel())  # it did train
 
 
 @pytest.mark.slow

@@ -141,6 +141,18 @@ def _supported(fn: Callable[..., Any], kwargs: dict[str, Any]) -> dict[str, Any]
     return {k: v for k, v in kwargs.items() if k in parameters}
 
 
+def _multi_process_kwargs(resolver: ClusterResolver | None) -> dict[str, Any] | None:
+    """The resolver's `jax.distributed` arguments if this task joins a job of several JAX
+    processes, else ``None``: no cluster, one process, or a task outside the collective
+    group (private; `MultiWorkerMirroredStrategy` asks it too)."""
+    if resolver is None or not resolver.cluster_spec():
+        return None
+    if resolver.task_type is not None and resolver.task_type not in COLLECTIVE_JOBS:
+        return None
+    kwargs = resolver.jax_initialize_kwargs()
+    return None if kwargs["num_processes"] == 1 else kwargs
+
+
 def initialize(
     cluster_resolver: ClusterResolver | None = None,
     *,
@@ -216,13 +228,8 @@ def initialize(
             "shutdown_timeout_seconds",
         ),
     }
-    if resolver is None or not resolver.cluster_spec():
-        return resolver
-    task_type = resolver.task_type
-    if task_type is not None and task_type not in COLLECTIVE_JOBS:
-        return resolver
-    kwargs = resolver.jax_initialize_kwargs()
-    if kwargs["num_processes"] == 1:
+    kwargs = _multi_process_kwargs(resolver)
+    if kwargs is None:
         return resolver
     cluster = (kwargs["coordinator_address"], kwargs["num_processes"], kwargs["process_id"])
     source = repr(resolver)

@@ -105,12 +105,17 @@ def make_strategy(name: str, devices: int | None) -> jd.Strategy:
     return jd.MirroredStrategy(available[:n])
 
 
-def _metrics(ctx: jd.ReplicaContext, logits: jax.Array, labels: jax.Array) -> dict[str, Any]:
+def _loss(logits: jax.Array, labels: jax.Array) -> jax.Array:
     per_example = optax.softmax_cross_entropy_with_integer_labels(logits, labels)
-    loss = ctx.all_reduce("sum", jd.compute_average_loss(per_example))
+    return jd.compute_average_loss(per_example)
+
+
+def _metrics(
+    ctx: jd.ReplicaContext, loss: jax.Array, logits: jax.Array, labels: jax.Array
+) -> dict[str, Any]:
     # Per-example hits come back PerReplica; fit averages them over the real rows.
     correct = (jnp.argmax(logits, axis=-1) == labels).astype(jnp.float32)
-    return {"loss": loss, "accuracy": correct}
+    return {"loss": ctx.all_reduce("sum", loss), "accuracy": correct}
 
 
 def build_steps(strategy: jd.Strategy) -> tuple[Any, Any]:
@@ -122,17 +127,17 @@ def build_steps(strategy: jd.Strategy) -> tuple[Any, Any]:
 
         def loss_fn(model: CNN) -> tuple[jax.Array, jax.Array]:
             logits = model(images)
-            per_example = optax.softmax_cross_entropy_with_integer_labels(logits, labels)
-            return jd.compute_average_loss(per_example), logits
+            return _loss(logits, labels), logits
 
-        (_, logits), grads = nnx.value_and_grad(loss_fn, has_aux=True)(model)
+        (loss, logits), grads = nnx.value_and_grad(loss_fn, has_aux=True)(model)
         opt.update(model, ctx.all_reduce("sum", grads))
-        return _metrics(ctx, logits, labels)
+        return _metrics(ctx, loss, logits, labels)
 
     @jd.train_step(strategy, donate=False)
     def eval_step(ctx: jd.ReplicaContext, model: CNN, opt: nnx.Optimizer, batch: Any) -> Any:
         images, labels = batch
-        return _metrics(ctx, model(images), labels)
+        logits = model(images)
+        return _metrics(ctx, _loss(logits, labels), logits, labels)
 
     return train_step, eval_step
 

@@ -19,11 +19,11 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxdist._variable_dtypes import numeric
 from jaxdist.input.options import AutoShardPolicy
 from jaxdist.values import DistributedValues, PerReplica
 
@@ -95,11 +95,6 @@ def replica_layout(
     return Layout(n, tuple(sorted(local)), len(ranks), ranks.index(me))
 
 
-def _numeric(dtype: np.dtype) -> bool:
-    """Whether JAX can hold arrays of ``dtype`` (numbers, bfloat16 and friends, bool)."""
-    return dtype == np.bool_ or bool(jnp.issubdtype(dtype, jnp.number))
-
-
 class Batcher:
     """Splits, pads and places batches for one iterator of a distributed dataset (private).
 
@@ -137,9 +132,13 @@ class Batcher:
         self._own_share = off and self.multi_process
         self._share = len(layout.local) if self._own_share else self.n
         self._wanted = list(range(self._share)) if self._own_share else list(layout.local)
-        lo = self._wanted[0]
-        contiguous = self._wanted == list(range(lo, lo + len(self._wanted)))
-        self._span = slice(lo, lo + len(self._wanted)) if contiguous else None
+        # The wanted replicas' rows of a full batch split (share, b, ...): all of them, a
+        # contiguous block (a view), or a selection (a copy).
+        lo, count = self._wanted[0], len(self._wanted)
+        self._pick: slice | list[int] | None = None
+        if count < self._share:
+            contiguous = self._wanted == list(range(lo, lo + count))
+            self._pick = slice(lo, lo + count) if contiguous else self._wanted
 
     # Checks -----------------------------------------------------------------------
 
@@ -182,7 +181,7 @@ class Batcher:
                     "the dataset."
                 )
             arr = np.asarray(x)
-            if self.options.experimental_fetch_to_device and not _numeric(arr.dtype):
+            if self.options.experimental_fetch_to_device and not numeric(arr.dtype):
                 raise TypeError(
                     f"{self.where}: leaf {name} of a {kind} is an array of dtype {arr.dtype} "
                     f"(shape {arr.shape}), which cannot be placed on the devices: only numeric "
@@ -276,23 +275,18 @@ class Batcher:
                 f"({share * b} rows, {b} per replica for {share} replicas); batches may only "
                 "shrink at the end of the dataset."
             )
-        wanted = self._wanted
         if rows == share * b:  # a full batch: views where the rows are contiguous
-            if self._full_counts is None:
-                self._full_counts = np.full(share, b, np.int32)
-            out = []
-            for a in leaves:
-                split = a.reshape(share, b, *a.shape[1:])
-                if len(wanted) == share:
-                    out.append(split)
-                else:
-                    out.append(split[self._span] if self._span is not None else split[wanted])
-            return out, self._full_counts
+            pick = self._pick
+            out = [a.reshape(share, b, *a.shape[1:]) for a in leaves]
+            if pick is not None:
+                out = [split[pick] for split in out]
+            return out, self._counts_of_full(share)
         if not self._partial(rows, share * b):
             return None
         # tf.distribute's split of a partial batch: ceil(rows / share) rows per replica.
         per = math.ceil(rows / share)
         counts = np.clip(rows - per * np.arange(share), 0, per).astype(np.int32)
+        wanted = self._wanted
         out = []
         for a in leaves:
             padded = np.zeros((len(wanted), b, *a.shape[1:]), a.dtype)
@@ -313,23 +307,24 @@ class Batcher:
         if self.b is None:
             self.b = present[0][0].shape[0]
         b = self.b
-        counts = np.array([0 if ls is None else ls[0].shape[0] for ls in leaf_lists], np.int32)
-        if counts.max() > b:
+        sizes = [0 if ls is None else ls[0].shape[0] for ls in leaf_lists]
+        if max(sizes) > b:
             raise ValueError(
-                f"{self.where}: a per-replica batch of {int(counts.max())} rows is larger than "
+                f"{self.where}: a per-replica batch of {max(sizes)} rows is larger than "
                 f"the first ({b} rows). dataset_fn must yield per-replica batches of "
                 "input_context.get_per_replica_batch_size(global_batch_size) rows; did it "
                 "yield global batches?"
             )
-        full = len(elements) * b
-        if counts.sum() < full and not self._partial(int(counts.sum()), full):
-            return None
-        out = []
         assert self.row_shapes is not None
+        if min(sizes) == b:  # a full step
+            whole = [np.stack(leaf) for leaf in zip(*present, strict=True)]
+            return whole, self._counts_of_full(len(elements))
+        full = len(elements) * b
+        if not self._partial(sum(sizes), full):
+            return None
+        counts = np.array(sizes, np.int32)
+        out = []
         for j, (shape, dtype) in enumerate(self.row_shapes):
-            if counts.min() == b:
-                out.append(np.stack([ls[j] for ls in present]))
-                continue
             stacked = np.zeros((len(elements), b, *shape), dtype)
             for i, ls in enumerate(leaf_lists):
                 if ls is not None:
@@ -338,11 +333,19 @@ class Batcher:
         # This process's replicas' counts: every replica's in a single process.
         return out, counts
 
+    def _counts_of_full(self, replicas: int) -> np.ndarray:
+        """The valid counts of every full batch: one read-only array, so that `place` knows
+        a full batch by identity and reuses its device copy."""
+        if self._full_counts is None:
+            self._full_counts = np.full(replicas, self.b, np.int32)
+            self._full_counts.flags.writeable = False
+        return self._full_counts
+
     # Placement ---------------------------------------------------------------------
 
     def place(self, leaves: list[np.ndarray], counts: np.ndarray) -> Any:
         """The batch as a pytree of `PerReplica` leaves sharing one valid-count array."""
-        full = counts is self._full_counts or bool((counts == self.b).all())
+        full = counts is self._full_counts  # from_global / from_per_replica share it
         valid: Any
         if not self.options.experimental_fetch_to_device:
             valid = counts

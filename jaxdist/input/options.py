@@ -80,6 +80,11 @@ class InputOptions:
             raise TypeError(
                 "InputOptions(experimental_replication_mode=...): expected an InputReplicationMode."
             )
+        if not isinstance(self.experimental_auto_shard_policy, AutoShardPolicy):
+            raise TypeError(
+                "InputOptions(experimental_auto_shard_policy=...): expected an "
+                "AutoShardPolicy (jaxdist.experimental.AutoShardPolicy)."
+            )
 
 
 @dataclasses.dataclass(frozen=True)

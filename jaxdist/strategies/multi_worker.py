@@ -64,7 +64,6 @@ most ``shutdown_timeout_seconds`` (300 s; ``JAXDIST_SHUTDOWN_TIMEOUT``).
 
 from __future__ import annotations
 
-import importlib
 import math
 import os
 import re
@@ -104,15 +103,15 @@ def _set_collective_timeout(timeout_seconds: float | None, where: str) -> None:
     Raises:
         RuntimeError: JAX's backend already started with another limit.
     """
-    # The package exports the function `initialize`; the module holds the backend probe.
-    init_mod = importlib.import_module("jaxdist.cluster_resolver.initialize")
+    from jaxdist.cluster_resolver.initialize import _backends_initialized
+
     if not timeout_seconds:
         return
     seconds = max(1, math.ceil(timeout_seconds))
     flags = os.environ.get("XLA_FLAGS", "")
     if _flag_value(flags) == str(seconds):
         return
-    if init_mod._backends_initialized():
+    if _backends_initialized():
         current = _flag_value(flags)
         now = "XLA's default (1800 s)" if current is None else f"{current} s"
         raise RuntimeError(
@@ -123,17 +122,6 @@ def _set_collective_timeout(timeout_seconds: float | None, where: str) -> None:
             f"start the program with XLA_FLAGS='{_CPU_TIMEOUT_FLAG}={seconds}'."
         )
     os.environ["XLA_FLAGS"] = _with_flag(flags, seconds)
-
-
-def _several_processes(resolver: Any) -> bool:
-    """Whether ``resolver`` describes a job of several JAX processes (as `initialize` decides)."""
-    from jaxdist.cluster_resolver.base import COLLECTIVE_JOBS
-
-    if not resolver.cluster_spec():
-        return False
-    if resolver.task_type is not None and resolver.task_type not in COLLECTIVE_JOBS:
-        return False
-    return int(resolver.jax_initialize_kwargs()["num_processes"]) > 1
 
 
 def _grid() -> tuple[list[jax.Device], int, int]:
@@ -194,6 +182,7 @@ class MultiWorkerMirroredStrategy(Strategy):
 
     def __init__(self, cluster_resolver: Any = None, communication_options: Any = None) -> None:
         from jaxdist.cluster_resolver import ClusterResolver, initialize, resolve_default
+        from jaxdist.cluster_resolver.initialize import _multi_process_kwargs
         from jaxdist.communication import CommunicationOptions, cross_device_ops_for
 
         where = "MultiWorkerMirroredStrategy"
@@ -212,7 +201,7 @@ class MultiWorkerMirroredStrategy(Strategy):
             )
         resolver = cluster_resolver if cluster_resolver is not None else resolve_default()
         if resolver is not None:
-            if _several_processes(resolver):
+            if _multi_process_kwargs(resolver) is not None:  # cross-process collectives
                 _set_collective_timeout(communication_options.timeout_seconds, where)
             initialize(resolver)
         devices, processes, local = _grid()

@@ -11,21 +11,8 @@ import jax
 import numpy as np
 
 from jaxdist import _dispatch
-from jaxdist.checkpoint import from_saveable, to_saveable
+from jaxdist.checkpoint import from_saveable, is_saved_node, path_tokens, to_saveable
 from jaxdist.training._nnx import is_nnx_node, nnx_module
-from jaxdist.values import DistributedValues
-from jaxdist.variables import Variable
-
-
-def _key_name(entry: Any) -> str:
-    for attr in ("key", "name", "idx"):
-        if hasattr(entry, attr):
-            return str(getattr(entry, attr))
-    return str(entry)
-
-
-def _is_leaf(x: Any) -> bool:
-    return isinstance(x, (Variable, DistributedValues))
 
 
 def _is_key(x: Any) -> bool:
@@ -55,8 +42,9 @@ def _named_leaves(state: tuple[Any, ...]) -> list[tuple[tuple[str, ...], Any]]:
     out = []
     for i, arg in enumerate(state):
         nnx_arg = is_nnx_node(arg)
-        for path, leaf in jax.tree_util.tree_flatten_with_path(_tree_of(arg), is_leaf=_is_leaf)[0]:
-            names = [_key_name(k) for k in path]
+        flat = jax.tree_util.tree_flatten_with_path(_tree_of(arg), is_leaf=is_saved_node)[0]
+        for path, leaf in flat:
+            names = list(path_tokens(path))
             if nnx_arg and names and names[-1] == "value":  # an nnx.Variable's payload
                 names.pop()
             out.append(((str(i), *names), leaf))
@@ -64,7 +52,7 @@ def _named_leaves(state: tuple[Any, ...]) -> list[tuple[tuple[str, ...], Any]]:
 
 
 def _host_leaf(leaf: Any) -> np.ndarray:
-    if _is_leaf(leaf):
+    if is_saved_node(leaf):
         return np.asarray(to_saveable(leaf))
     if _is_key(leaf):
         return host_array(jax.random.key_data(leaf))
@@ -93,7 +81,7 @@ def _lookup(tree: Mapping[str, Any], names: tuple[str, ...]) -> Any:
 
 def _placed(saved: np.ndarray, template: Any, where: str, name: str) -> Any:
     """A saved host array put where ``template`` lives, with its dtype."""
-    if _is_leaf(template):
+    if is_saved_node(template):
         return from_saveable(saved, template)
     if _is_key(template):
         data = jax.random.key_data(template)
@@ -141,7 +129,7 @@ def load_state(saved: Mapping[str, Any], state: tuple[Any, ...], where: str) -> 
     out = []
     for arg in state:
         tree = _tree_of(arg)
-        leaves, treedef = jax.tree.flatten(tree, is_leaf=_is_leaf)
+        leaves, treedef = jax.tree.flatten(tree, is_leaf=is_saved_node)
         new = jax.tree.unflatten(treedef, [next(values) for _ in leaves])
         if is_nnx_node(arg):
             nnx = nnx_module()

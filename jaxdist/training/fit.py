@@ -231,6 +231,17 @@ def _new_state(out: Any, loop: FitLoop, check: bool) -> tuple[tuple[Any, ...], A
     n = sum(loop.functional)
     if n == 0:
         return loop.state, out
+    if check or not isinstance(out, tuple) or len(out) != n + 1:
+        _check_new_state(out, loop, n)
+    it = iter(out[:n])
+    return tuple(
+        next(it) if f else s for s, f in zip(loop.state, loop.functional, strict=True)
+    ), out[n]
+
+
+def _check_new_state(out: Any, loop: FitLoop, n: int) -> None:
+    """Explains a step output that is not ``(*new_functional_states, metrics)`` of the
+    state's structure, or whose new state differs between replicas."""
     positions = [i for i, f in enumerate(loop.functional) if f]
     if not isinstance(out, tuple) or len(out) != n + 1:
         got = f"a tuple of {len(out)}" if isinstance(out, tuple) else f"a {type(out).__name__}"
@@ -242,63 +253,55 @@ def _new_state(out: Any, loop: FitLoop, check: bool) -> tuple[tuple[Any, ...], A
             "{'loss': loss}. (NNX objects are updated in place and are not returned.) The "
             "state passed to this step may have been donated: rebuild it before retrying."
         )
-    new = out[:n]
-    if check:
-        for i, old, value in zip(positions, (loop.state[i] for i in positions), new, strict=True):
-            if any(
-                isinstance(x, PerReplica)
-                for x in jax.tree.leaves(value, is_leaf=lambda x: isinstance(x, PerReplica))
-            ):
-                raise ValueError(
-                    f"{_WHERE}: the new value of state argument {i} differs between replicas "
-                    "(it came back PerReplica), so it cannot be one replicated state. Update "
-                    "it from all-reduced values: grads = ctx.all_reduce('sum', grads) before "
-                    "state.apply_gradients(grads=grads)."
-                )
-            before: Any = jax.tree.structure(old)
-            after: Any = jax.tree.structure(value)
-            if before != after:
-                raise TypeError(
-                    f"{_WHERE}: the step returned a new state argument {i} whose structure "
-                    f"{after} differs from the one passed in {before}; return "
-                    f"({'new_state, ' * n}metrics) with the new states in the order of the "
-                    "functional arguments."
-                )
-    it = iter(new)
-    return tuple(
-        next(it) if f else s for s, f in zip(loop.state, loop.functional, strict=True)
-    ), out[n]
+    for i, value in zip(positions, out[:n], strict=True):
+        if any(
+            isinstance(x, PerReplica)
+            for x in jax.tree.leaves(value, is_leaf=lambda x: isinstance(x, PerReplica))
+        ):
+            raise ValueError(
+                f"{_WHERE}: the new value of state argument {i} differs between replicas "
+                "(it came back PerReplica), so it cannot be one replicated state. Update "
+                "it from all-reduced values: grads = ctx.all_reduce('sum', grads) before "
+                "state.apply_gradients(grads=grads)."
+            )
+        before: Any = jax.tree.structure(loop.state[i])
+        after: Any = jax.tree.structure(value)
+        if before != after:
+            raise TypeError(
+                f"{_WHERE}: the step returned a new state argument {i} whose structure "
+                f"{after} differs from the one passed in {before}; return "
+                f"({'new_state, ' * n}metrics) with the new states in the order of the "
+                "functional arguments."
+            )
 
 
 # The loop -------------------------------------------------------------------------------
 
 
+@dataclasses.dataclass
 class _Runner:
     """One `fit` call's loop (private)."""
 
-    def __init__(
-        self,
-        step: Callable[..., Any],
-        loop: FitLoop,
-        callbacks: Sequence[Callback],
-        display: Progress,
-        interrupts: _Interrupts,
-        reader: MetricReader,
-    ) -> None:
-        self.step = step
-        self.loop = loop
-        self.callbacks = callbacks
-        self.display = display
-        self.interrupts = interrupts
-        self.reader = reader
-        self.checked = False
+    step: Callable[..., Any]
+    loop: FitLoop
+    callbacks: Sequence[Callback]
+    display: Progress
+    interrupts: _Interrupts
+    history: History
+    train: Any  # the distributed training data
+    total: int | None  # its batches per epoch, when known
+    source: Any  # the data as given to fit (told each epoch's number by set_epoch)
+    eval_step: Callable[..., Any] | None
+    evaluation: Any  # the distributed evaluation data
+    reader: MetricReader = dataclasses.field(default_factory=MetricReader)
+    checked: bool = False
 
-    def train_epoch(self, data: Any) -> tuple[dict[str, float], int, int, float]:
+    def train_epoch(self) -> tuple[dict[str, float], int, int, float]:
         """Runs one epoch's steps; returns (metrics, steps, real rows, training seconds)."""
         loop, interrupts, display = self.loop, self.interrupts, self.display
         mean, done, start = EpochMean(), 0, time.perf_counter()
         loop.at_epoch_end = False
-        it = iter(data)
+        it = iter(self.train)
         try:
             batch = next(it, _END)
             if batch is _END:
@@ -345,10 +348,10 @@ class _Runner:
             if close is not None and hasattr(it, "__next__"):
                 close()
 
-    def evaluate(self, eval_step: Callable[..., Any], data: Any) -> dict[str, float] | None:
-        """The ``val_`` metrics over ``data``; None when Ctrl-C stopped it."""
+    def evaluate(self, eval_step: Callable[..., Any]) -> dict[str, float] | None:
+        """The ``val_`` metrics over the evaluation data; None when Ctrl-C stopped it."""
         mean, pending = EpochMean(), None
-        for batch in data:
+        for batch in self.evaluation:
             if self.interrupts.interrupted:
                 return None
             raw = as_metrics(eval_step(*self.loop.state, batch), "eval_step")
@@ -359,6 +362,79 @@ class _Runner:
             raise ValueError(f"{_WHERE}: eval_data yielded no batches.")
         mean.add(pending)
         return mean.result("val_")
+
+    def run(self) -> None:
+        """The epochs between the callbacks' train hooks; `FitInterrupted` after Ctrl-C."""
+        loop, callbacks, interrupts = self.loop, self.callbacks, self.interrupts
+        for cb in callbacks:
+            cb.set_loop(loop)
+        logs: dict[str, float] = {}
+        cause: KeyboardInterrupt | None = None
+        try:
+            for cb in callbacks:
+                cb.on_train_begin({})
+            logs = self.epochs()
+        except KeyboardInterrupt as e:
+            # Raised outside a step (a callback, the data, evaluation, a second Ctrl-C): the
+            # state is that of the last completed step, as after Ctrl-C. Inside a step it may
+            # have been donated and not written back: nothing to hand over, so re-raise.
+            if isinstance(e, FitInterrupted) or interrupts.step_failed:
+                raise
+            cause = e
+        self.history.step = loop.step
+        if interrupts.interrupted or cause is not None:
+            loop.interrupted = True
+            self.display.close()
+            for cb in callbacks:
+                cb.on_train_end(logs)
+            how = "Ctrl-C" if interrupts.interrupted else "a KeyboardInterrupt"
+            raise FitInterrupted(
+                f"{_WHERE}: stopped by {how} after step {loop.step} (epoch {loop.epoch}); the "
+                "state is that of the last completed step (functional state: .state of this "
+                "exception).",
+                self.history,
+                functional_result(loop.state, loop.functional),
+            ) from cause
+        for cb in callbacks:
+            cb.on_train_end(logs)
+
+    def epochs(self) -> dict[str, float]:
+        """The epochs until a bound, ``stop_training`` or Ctrl-C; returns the last epoch's logs."""
+        loop, interrupts, history = self.loop, self.interrupts, self.history
+        logs: dict[str, float] = {}
+        set_epoch = getattr(self.source, "set_epoch", None)
+        while not (
+            (loop.epochs is not None and loop.epoch >= loop.epochs)
+            or (loop.steps is not None and loop.step >= loop.steps)
+        ):
+            if callable(set_epoch):
+                set_epoch(loop.epoch)
+            for cb in self.callbacks:
+                cb.on_epoch_begin(loop.epoch, {})
+            total = self.total
+            remaining = None if loop.steps is None else loop.steps - loop.step
+            shown = total if remaining is None else min(total or remaining, remaining)
+            self.display.epoch_begin(loop.epoch, shown)
+            train_logs, done, rows, seconds = self.train_epoch()
+            logs = dict(train_logs)
+            if not interrupts.interrupted and self.eval_step is not None:
+                val = self.evaluate(self.eval_step)
+                logs.update(val or {})
+            if interrupts.interrupted:
+                break
+            if total is None and (loop.steps is None or loop.step < loop.steps):
+                self.total = done  # the data ran out: steps per epoch, now known
+            rate = rows / max(seconds, 1e-9)
+            self.display.epoch_end(loop.epoch, done, logs, rate, seconds)
+            history._append(loop.epoch, logs, rate)
+            history.step = loop.step
+            for cb in self.callbacks:
+                cb.on_epoch_end(loop.epoch, logs)
+            loop.epoch += 1
+            if loop.stop_training:
+                history.stopped_early = True
+                break
+        return logs
 
 
 def fit(
@@ -487,8 +563,19 @@ def fit(
         try:
             train, total = _distributed(strategy, data)
             evaluation = None if eval_data is None else _distributed(strategy, eval_data)[0]
-            runner = _Runner(step, loop, callbacks, display, interrupts, MetricReader())
-            _run(runner, train, total, data, eval_step, evaluation, history)
+            _Runner(
+                step,
+                loop,
+                callbacks,
+                display,
+                interrupts,
+                history,
+                train=train,
+                total=total,
+                source=data,
+                eval_step=eval_step,
+                evaluation=evaluation,
+            ).run()
         finally:
             display.close()
             for cb in callbacks:
@@ -496,92 +583,3 @@ def fit(
     if not any(functional):
         return history
     return functional_result(loop.state, functional), history
-
-
-def _run(
-    runner: _Runner,
-    train: Any,
-    total: int | None,
-    source: Any,
-    eval_step: Callable[..., Any] | None,
-    evaluation: Any,
-    history: History,
-) -> None:
-    loop, callbacks, interrupts = runner.loop, runner.callbacks, runner.interrupts
-    for cb in callbacks:
-        cb.set_loop(loop)
-    logs: dict[str, float] = {}
-    cause: KeyboardInterrupt | None = None
-    try:
-        for cb in callbacks:
-            cb.on_train_begin({})
-        logs = _epochs(runner, train, total, source, eval_step, evaluation, history)
-    except KeyboardInterrupt as e:
-        # Raised outside a step (a callback, the data, evaluation, a second Ctrl-C): the
-        # state is that of the last completed step, as after Ctrl-C. Inside a step it may
-        # have been donated and not written back: nothing to hand over, so re-raise.
-        if isinstance(e, FitInterrupted) or interrupts.step_failed:
-            raise
-        cause = e
-    history.step = loop.step
-    if interrupts.interrupted or cause is not None:
-        loop.interrupted = True
-        runner.display.close()
-        for cb in callbacks:
-            cb.on_train_end(logs)
-        how = "Ctrl-C" if interrupts.interrupted else "a KeyboardInterrupt"
-        raise FitInterrupted(
-            f"{_WHERE}: stopped by {how} after step {loop.step} (epoch {loop.epoch}); the "
-            "state is that of the last completed step (functional state: .state of this "
-            "exception).",
-            history,
-            functional_result(loop.state, loop.functional),
-        ) from cause
-    for cb in callbacks:
-        cb.on_train_end(logs)
-
-
-def _epochs(
-    runner: _Runner,
-    train: Any,
-    total: int | None,
-    source: Any,
-    eval_step: Callable[..., Any] | None,
-    evaluation: Any,
-    history: History,
-) -> dict[str, float]:
-    """The epochs until a bound, ``stop_training`` or Ctrl-C; returns the last epoch's logs."""
-    loop, callbacks, interrupts = runner.loop, runner.callbacks, runner.interrupts
-    logs: dict[str, float] = {}
-    set_epoch = getattr(source, "set_epoch", None)
-    while not (
-        (loop.epochs is not None and loop.epoch >= loop.epochs)
-        or (loop.steps is not None and loop.step >= loop.steps)
-    ):
-        if callable(set_epoch):
-            set_epoch(loop.epoch)
-        for cb in callbacks:
-            cb.on_epoch_begin(loop.epoch, {})
-        remaining = None if loop.steps is None else loop.steps - loop.step
-        shown = total if remaining is None else min(total or remaining, remaining)
-        runner.display.epoch_begin(loop.epoch, shown)
-        train_logs, done, rows, seconds = runner.train_epoch(train)
-        logs = dict(train_logs)
-        if not interrupts.interrupted and eval_step is not None:
-            val = runner.evaluate(eval_step, evaluation)
-            logs.update(val or {})
-        if interrupts.interrupted:
-            break
-        if total is None and (loop.steps is None or loop.step < loop.steps):
-            total = done  # the data ran out: steps per epoch, now known
-        rate = rows / max(seconds, 1e-9)
-        runner.display.epoch_end(loop.epoch, done, logs, rate, seconds)
-        history._append(loop.epoch, logs, rate)
-        history.step = loop.step
-        for cb in callbacks:
-            cb.on_epoch_end(loop.epoch, logs)
-        loop.epoch += 1
-        if loop.stop_training:
-            history.stopped_early = True
-            break
-    return logs

@@ -84,7 +84,7 @@ class _ObjectRef:
 class _Layout:
     """Where the NNX objects and `TrainState`s sit among one call's arguments."""
 
-    __slots__ = ("_others", "_states", "kinds", "nnx_pos", "state_pos", "treedef")
+    __slots__ = ("_others", "_states", "kinds", "objects", "treedef")
 
     def __init__(self, leaves: list[Any], treedef: Any) -> None:
         self.treedef = treedef
@@ -92,10 +92,10 @@ class _Layout:
             _STATE if isinstance(x, TrainState) else _NNX if is_nnx_node(x) else _OTHER
             for x in leaves
         )
-        self.nnx_pos = [i for i, k in enumerate(self.kinds) if k == _NNX]
-        self.state_pos = [i for i, k in enumerate(self.kinds) if k == _STATE]
-        self._states = _picker(self.state_pos)
-        self._others = _picker([i for i, k in enumerate(self.kinds) if k == _OTHER])
+        # Each a function of the leaves: the NNX objects, the `TrainState`s, the others.
+        self.objects, self._states, self._others = (
+            _picker(self.kinds, kind) for kind in (_NNX, _STATE, _OTHER)
+        )
 
     def key(self) -> tuple[Any, ...]:
         return (self.treedef, self.kinds)
@@ -114,8 +114,9 @@ class _Layout:
         return out
 
 
-def _picker(positions: list[int]) -> Callable[[list[Any]], list[Any]]:
-    """A function returning the leaves at ``positions``, as a list (per call: no Python loop)."""
+def _picker(kinds: tuple[int, ...], kind: int) -> Callable[[list[Any]], list[Any]]:
+    """A function returning the leaves of ``kind``, as a list (per call: no Python loop)."""
+    positions = [i for i, k in enumerate(kinds) if k == kind]
     if not positions:
         return lambda leaves: []
     if len(positions) == 1:
@@ -183,7 +184,8 @@ class _StepProgram:
         program.__name__ = f"jaxdist_train_step_{getattr(fn, '__name__', 'fn')}"
         self.jitted = jax.jit(program, donate_argnums=(0, 1) if donate else ())
 
-    def __call__(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    def call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """What `Strategy._dispatch` calls: the jitted step on ``(values, states, others)``."""
         return self.jitted(*args)
 
 
@@ -211,7 +213,7 @@ class TrainStep:
         last = self._last
         if last is not None and last[0] is strategy and last[1] == treedef:
             _, _, layout, cache, program = last
-            objects = [leaves[i] for i in layout.nnx_pos]
+            objects = layout.objects(leaves)
             if cache is None or cache.unchanged(objects):
                 states, others = layout.split(leaves)
                 values = cache.read() if cache is not None else []
@@ -225,7 +227,7 @@ class TrainStep:
                 f"{type(strategy).__name__}."
             )
         layout = _Layout(leaves, treedef)
-        objects = tuple(leaves[i] for i in layout.nnx_pos)
+        objects = tuple(layout.objects(leaves))
         if len({id(o) for o in objects}) != len(objects):
             raise ValueError(
                 f"{self._where}: the same NNX object is passed twice; pass each model or "

@@ -3,11 +3,12 @@
 
 65,536 x 784 float32 rows plus int32 labels, global batches of 512: the same batches
 from a list, a tuple, a Python generator (run by the prefetch thread) and
-`jd.data.from_arrays`. Rounds are interleaved and each ratio is taken against the
-baseline of its own round (medians of many short rounds, with the quartiles: on a
-shared 2-core machine single rounds vary by +-20%). Targets: list and tuple
->= 0.95, generator >= 0.85. Then an MLP step fed by the dataset vs the same step on
-one batch already on the devices: prefetch should hide the input cost.
+`jd.data.from_arrays`. Each round times every loop once in a fresh random order, and
+each ratio is taken against the baseline of its own round (medians of many short
+rounds, with the quartiles: on a shared 2-core machine single rounds vary by +-20%).
+Targets: list and tuple >= 0.95, generator >= 0.85. Then an MLP step fed by the
+dataset vs the same step on one batch already on the devices: prefetch should hide
+the input cost.
 
 Usage: ``python benchmarks/input_pipeline.py [rounds] [passes per round]``.
 """
@@ -16,7 +17,6 @@ from __future__ import annotations
 
 import statistics
 import sys
-import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -42,30 +42,17 @@ def drain(dataset: Iterable[Any]) -> int:
 
 
 def compare(
-    loops: dict[str, Callable[[], int]], rounds: int, passes: int
-) -> dict[str, tuple[float, list[float], list[float]]]:
-    """Batches/s of each loop (median), and its per-round ratios to the first loop: of
-    batches per wall-clock second, and of batches per CPU second of the whole process
-    (which a busy machine disturbs less)."""
-    for loop in loops.values():  # warm up
-        loop()
-    rates: dict[str, list[float]] = {k: [] for k in loops}
-    cpu_rates: dict[str, list[float]] = {k: [] for k in loops}
-    for _ in range(rounds):
-        for name, loop in loops.items():
-            start, cpu = time.perf_counter(), time.process_time()
-            n = sum(loop() for _ in range(passes))
-            rates[name].append(n / (time.perf_counter() - start))
-            cpu_rates[name].append(n / (time.process_time() - cpu))
-    base, cpu_base = next(iter(rates.values())), next(iter(cpu_rates.values()))
-    return {
-        k: (
-            statistics.median(v),
-            [a / b for a, b in zip(v, base, strict=True)],
-            [a / b for a, b in zip(cpu_rates[k], cpu_base, strict=True)],
-        )
-        for k, v in rates.items()
-    }
+    loops: dict[str, Callable[[], int]], rounds: int, passes: int, base: str
+) -> dict[str, tuple[float, float, float, float]]:
+    """Batches/s of each loop (median over rounds), and the median and quartiles of its
+    per-round rate ratio to ``base`` (rounds in random order, `_harness.sample`)."""
+    batches = {name: loop() for name, loop in loops.items()}  # also warms up
+    samples = _harness.sample(loops, calls=passes, rounds=rounds)
+    out = {}
+    for name, (ratio, q1, q3) in _harness.paired_ratios(samples, base).items():
+        rate = batches[name] / statistics.median(samples[name])
+        out[name] = (rate, 1 / ratio, 1 / q3, 1 / q1)  # rate ratios: the inverse of time's
+    return out
 
 
 def main(rounds: int, passes: int) -> None:
@@ -95,13 +82,10 @@ def main(rounds: int, passes: int) -> None:
         "jd.data.from_arrays": lambda: drain(distribute(arrays)),
     }
     print(_harness.describe_machine())
-    print(f"{rounds} interleaved rounds of {passes} passes over {len(batches)} batches")
-    for name, (rate, ratios, cpu_ratios) in compare(loops, rounds, passes).items():
-        q1, med, q3 = np.percentile(ratios, [25, 50, 75])
-        print(
-            f"{name:30s} {rate:7.0f} batches/s   ratio {med:.3f} (quartiles {q1:.2f}-{q3:.2f})"
-            f"   per CPU second {statistics.median(cpu_ratios):.3f}"
-        )
+    print(f"{rounds} rounds in random order, {passes} passes over {len(batches)} batches each")
+    base = "hand-written device_put loop"
+    for name, (rate, med, q1, q3) in compare(loops, rounds, passes, base).items():
+        print(f"{name:30s} {rate:7.0f} batches/s   ratio {med:.3f} (quartiles {q1:.2f}-{q3:.2f})")
 
     # With a training step in the loop: an MLP, plain SGD on all-reduced gradients.
     sizes = (FEATURES, 1024, 1024, 10)
@@ -150,11 +134,10 @@ def main(rounds: int, passes: int) -> None:
         "from a generator": steps(lambda: iter(distribute(generator()))),
     }
     print("MLP step 784-1024-1024-10, global batch 512:")
-    for name, (rate, ratios, _) in compare(step_loops, 7, 1).items():
-        print(
-            f"  {name:30s} {1e3 / rate:7.2f} ms/step   "
-            f"time ratio {1 / statistics.median(ratios):.3f}"
-        )
+    for name, (rate, med, _, _) in compare(
+        step_loops, 9, 1, "batch already on the devices"
+    ).items():
+        print(f"  {name:30s} {1e3 / rate:7.2f} ms/step   time ratio {1 / med:.3f}")
 
 
 if __name__ == "__main__":

@@ -68,3 +68,19 @@ def all_gather_invariant(x: Any, axis_name: str | tuple[str, ...]) -> Any:
 def eval_jaxpr(jaxpr: Any, consts: Any, *args: Any) -> list[Any]:
     """Evaluates an open jaxpr on ``args`` in the current trace (binding its primitives)."""
     return list(jax.core.eval_jaxpr(jaxpr, consts, *args))
+
+
+def backends_initialized() -> bool:
+    """Whether JAX's backends have started in this process (after which device counts and
+    ``jax.distributed`` can no longer change)."""
+    from jax._src import xla_bridge
+
+    return bool(xla_bridge.backends_are_initialized())
+
+
+def distributed_client() -> Any:
+    """The ``jax.distributed`` coordination service's client (its key-value store), or
+    None when ``jax.distributed`` is not running."""
+    from jax._src.distributed import global_state
+
+    return global_state.client

@@ -29,6 +29,8 @@ import jax
 
 from jaxdist._compile import replicated
 from jaxdist.options import RunOptions
+from jaxdist.values import PerReplica
+from jaxdist.values import _unflatten_per_replica as _per_replica
 
 if TYPE_CHECKING:
     from jaxdist.strategy import Strategy
@@ -62,16 +64,68 @@ class Program:
 
         program.__name__ = program.__qualname__ = f"jaxdist_{name}"
         jit_kwargs: dict[str, Any] = {}
-        if opts.donate_args:
-            jit_kwargs["donate_argnums"] = (0, 1)
         if opts.experimental_xla_options:
             jit_kwargs["compiler_options"] = dict(opts.experimental_xla_options)
-        self.jitted = jax.jit(program, **jit_kwargs)
-        self.call = self.jitted  # what `Strategy._dispatch` calls with (args, kwargs)
+        # What `Strategy._dispatch` calls with (args, kwargs).
+        self.call: Callable[[tuple[Any, ...], dict[str, Any]], Any]
+        if opts.donate_args:
+            self.jitted = jax.jit(_with_counts(program), donate_argnums=(0, 1), **jit_kwargs)
+            self.call = _donating(self.jitted)
+        else:
+            self.jitted = jax.jit(program, **jit_kwargs)
+            self.call = self.jitted
         self.strategy = strategy
 
     def lower(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> LoweredStep:
-        return LoweredStep(self.jitted.lower(args, kwargs))
+        if self.call is self.jitted:
+            return LoweredStep(self.jitted.lower(args, kwargs))
+        return LoweredStep(self.jitted.lower(*_counts_apart(args, kwargs)))
+
+
+# Donation -----------------------------------------------------------------------
+# A distributed dataset's batches share one device array of valid-row counts, so a step
+# that donates its arguments keeps those counts apart, undonated.
+
+
+def _is_per_replica(x: Any) -> bool:
+    return type(x) is PerReplica
+
+
+def _counts_apart(args: Any, kwargs: Any) -> tuple[Any, Any, list[Any]]:
+    """``args`` and ``kwargs`` with the valid counts of every `PerReplica` taken out, and
+    those counts (None where it has none) in order."""
+    counts: list[Any] = []
+
+    def take(x: Any) -> Any:
+        if type(x) is PerReplica:
+            counts.append(x.valid)
+            return _per_replica(None, (x.array, None))
+        return x
+
+    args, kwargs = jax.tree.map(take, (args, kwargs), is_leaf=_is_per_replica)
+    return args, kwargs, counts
+
+
+def _with_counts(program: Callable[[Any, Any], Any]) -> Callable[[Any, Any, list[Any]], Any]:
+    """``program`` taking the counts that `_counts_apart` took out as a third argument."""
+
+    def apart(args: Any, kwargs: Any, counts: list[Any]) -> Any:
+        it = iter(counts)
+
+        def put(x: Any) -> Any:
+            return _per_replica(None, (x.array, next(it))) if type(x) is PerReplica else x
+
+        return program(*jax.tree.map(put, (args, kwargs), is_leaf=_is_per_replica))
+
+    apart.__name__ = apart.__qualname__ = getattr(program, "__name__", "program")
+    return apart
+
+
+def _donating(jitted: Callable[..., Any]) -> Callable[[Any, Any], Any]:
+    def call(args: Any, kwargs: Any) -> Any:
+        return jitted(*_counts_apart(args, kwargs))
+
+    return call
 
 
 class CompiledStep:

@@ -16,7 +16,8 @@ class RunOptions:
     Attributes:
         donate_args: let XLA reuse the argument buffers for outputs (as
             ``jax.jit(donate_argnums=...)``); donated arrays must not be used
-            again by the caller.
+            again by the caller. The valid-row counts of `PerReplica` batches
+            are never donated (a distributed dataset's batches share them).
         experimental_xla_options: XLA compiler options passed to `jax.jit`
             as ``compiler_options`` (for example
             ``{"xla_cpu_enable_fast_math": False}``).

@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+import json
+import socket
+import subprocess
+import sys
 from typing import Any
 
+import jax
 import numpy as np
+import pytest
 
 import jaxdist as jd
 
@@ -27,3 +33,60 @@ def rows(x: Any, strategy: jd.Strategy) -> np.ndarray:
     """A per-replica output as ``(N, ...)`` rows (a plain one-replica output gets a row axis)."""
     v = value(x)
     return v if isinstance(x, jd.DistributedValues) else v[None]
+
+
+_MAKERS: dict[str, Any] = {
+    "one_device": lambda: jd.OneDeviceStrategy(),
+    "mirrored2": lambda: jd.MirroredStrategy(jax.devices()[:2]),
+    "mirrored8": lambda: jd.MirroredStrategy(),
+    "central2": lambda: jd.CentralStorageStrategy(jax.devices()[:2]),
+    "central8": lambda: jd.CentralStorageStrategy(),
+}
+
+
+def strategy_params(*names: str) -> list[Any]:
+    """``pytest.param``s of functions that make the named strategies (made per test, so
+    that each test gets a fresh one), for ``@pytest.mark.parametrize("make", ...)``."""
+    return [pytest.param(_MAKERS[name], id=name) for name in names]
+
+
+def free_port() -> int:
+    """A localhost TCP port that is free now (for a test job's coordinator)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def run_workers(code: str, processes: int = 2, timeout: float = 200) -> list[Any]:
+    """Runs ``python -c code <process id> <port>`` as a job of ``processes`` processes on
+    localhost (CPU only); returns each one's last line of output, parsed as JSON, in
+    process order. Fails the test with the stderr tails when a process fails or hangs."""
+    port = str(free_port())
+    env = {"JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin"}
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", code, str(i), port],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        for i in range(processes)
+    ]
+    out = []
+    try:
+        for i, p in enumerate(procs):
+            try:
+                stdout, stderr = p.communicate(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                for q in procs:
+                    q.kill()
+                tails = [q.communicate()[1][-2000:] for q in procs]
+                pytest.fail(f"process {i} hung; stderr tails: {tails}")
+            assert p.returncode == 0, stderr[-3000:]
+            out.append(json.loads(stdout.strip().splitlines()[-1]))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    return out

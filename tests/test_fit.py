@@ -26,17 +26,14 @@ from flax import nnx
 
 import jaxdist as jd
 
+from _helpers import strategy_params
+
 RTOL = 1e-6
 ROWS, FEATURES, CLASSES, BATCH = 50, 4, 3, 16  # 4 batches per epoch, the last of 2 rows
 
 
 def _strategies() -> list:
-    return [
-        pytest.param(lambda: jd.OneDeviceStrategy(), id="one_device"),
-        pytest.param(lambda: jd.MirroredStrategy(jax.devices()[:2]), id="mirrored2"),
-        pytest.param(lambda: jd.MirroredStrategy(), id="mirrored8"),
-        pytest.param(lambda: jd.CentralStorageStrategy(), id="central_storage"),
-    ]
+    return strategy_params("one_device", "mirrored2", "mirrored8", "central8")
 
 
 def _data(rows: int = ROWS, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:

@@ -3,14 +3,12 @@ loopback), checked against NumPy sums of the rows each step should see."""
 
 from __future__ import annotations
 
-import json
-import socket
-import subprocess
-import sys
 import textwrap
 
 import numpy as np
 import pytest
+
+from _helpers import run_workers
 
 _WORKER = textwrap.dedent(
     """
@@ -70,37 +68,10 @@ _WORKER = textwrap.dedent(
 )
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_two_processes_feed_their_own_replicas() -> None:
-    port = str(_free_port())
-    env = {"JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin"}
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-c", _WORKER, str(i), port],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            env=env,
-        )
-        for i in range(2)
-    ]
-    results = []
-    try:
-        for p in procs:
-            out, err = p.communicate(timeout=200)
-            assert p.returncode == 0, err[-3000:]
-            results.append(json.loads(out.strip().splitlines()[-1]))
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
+    results = run_workers(_WORKER)
     x = np.arange(40, dtype=np.float32)
     for me, r in enumerate(results):
         # DATA: every process reads each global batch and keeps its replicas' rows.

@@ -16,7 +16,6 @@ import math
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -31,6 +30,8 @@ from flax import nnx
 
 import jaxdist as jd
 from jaxdist.strategies import multi_worker
+
+from _helpers import free_port
 
 SCRIPTS = Path(__file__).parent / "mp_scripts"
 WORKLOAD = SCRIPTS / "workload.py"
@@ -48,12 +49,6 @@ def _load_workload() -> Any:
 
 
 wl = _load_workload()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _env(devices: int, process: int | None, processes: int, port: int) -> dict[str, str]:
@@ -89,7 +84,7 @@ def _output(proc: subprocess.Popen[str]) -> str:
 def _run(out: Path, processes: int, devices: int, *args: str, timeout: float = 240) -> list[dict]:
     """Runs the workload as ``processes`` processes of ``devices`` devices each."""
     out.mkdir()
-    port = _free_port()
+    port = free_port()
     procs = [
         subprocess.Popen(
             [sys.executable, str(WORKLOAD), str(out), *args],
@@ -286,7 +281,7 @@ def test_the_other_process_ends_within_a_bounded_time(
     victim: int, how: str, timeout: int | None, bound: float, code: int, reason: str
 ) -> None:
     script = SCRIPTS / "die_midway.py"
-    port = _free_port()
+    port = free_port()
     args = [how] if timeout is None else [how, str(timeout)]
     procs = [
         subprocess.Popen(

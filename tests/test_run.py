@@ -215,6 +215,32 @@ def test_run_options(mirrored8: jd.MirroredStrategy) -> None:
         jd.RunOptions(experimental_xla_options=3)
 
 
+def test_donating_steps_keep_the_batches_shared_valid_counts(
+    mirrored8: jd.MirroredStrategy,
+) -> None:
+    """A distributed dataset's full batches share one array of valid counts: a step that
+    donates its batch donates the rows, never those counts (donating them made the next
+    step's call fail, and crashed the process). Reference: NumPy sums of the batches."""
+    x = np.arange(40 * 3, dtype=np.float32).reshape(40, 3)
+
+    def step(ctx: jd.ReplicaContext, b: jax.Array) -> tuple[jax.Array, jax.Array]:
+        mask = ctx.valid_mask(b.shape[0])[:, None]
+        return b * 2.0, ctx.all_reduce("sum", jnp.sum(jnp.where(mask, b, 0.0)))
+
+    donating = mirrored8.function(step, options=jd.RunOptions(donate_args=True))
+    ds = mirrored8.experimental_distribute_dataset(jd.data.from_arrays(x, batch_size=16))
+    batches = list(ds)
+    assert batches[0].valid is batches[1].valid
+    outs = [donating(b) for b in batches]
+    np.testing.assert_allclose(
+        [float(value(total)) for _, total in outs], [x[i : i + 16].sum() for i in range(0, 40, 16)]
+    )
+    np.testing.assert_allclose(value(outs[1][0]).reshape(-1, 3), 2 * x[16:32])
+    assert batches[0].array.is_deleted() and not batches[0].valid.is_deleted()
+    lowered = donating.lower(next(iter(ds)))  # ahead-of-time lowering takes the same path
+    assert "jaxdist" in lowered.as_text()
+
+
 def test_arguments_committed_elsewhere_are_placed(mirrored8: jd.MirroredStrategy) -> None:
     two = jd.MirroredStrategy(jax.devices()[:2])
     on_dev5 = jax.device_put(jnp.ones(3), jax.devices()[5])

@@ -21,17 +21,14 @@ from jax.sharding import PartitionSpec as P
 
 import jaxdist as jd
 
+from _helpers import strategy_params
+
 STEPS, BATCH = 20, 32
 RTOL, ATOL = 1e-5, 1e-6
 
 
 def _strategies() -> list:
-    return [
-        pytest.param(lambda: jd.OneDeviceStrategy(), id="one_device"),
-        pytest.param(lambda: jd.MirroredStrategy(jax.devices()[:2]), id="mirrored2"),
-        pytest.param(lambda: jd.MirroredStrategy(), id="mirrored8"),
-        pytest.param(lambda: jd.CentralStorageStrategy(), id="central_storage"),
-    ]
+    return strategy_params("one_device", "mirrored2", "mirrored8", "central8")
 
 
 class MLP(nnx.Module):

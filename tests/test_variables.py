@@ -10,17 +10,13 @@ import pytest
 
 import jaxdist as jd
 
+from _helpers import strategy_params
+
 Sync, Agg = jd.VariableSynchronization, jd.VariableAggregation
 
 
 def _strategies() -> list:
-    return [
-        pytest.param(lambda: jd.OneDeviceStrategy(), id="one_device"),
-        pytest.param(lambda: jd.MirroredStrategy(jax.devices()[:2]), id="mirrored2"),
-        pytest.param(lambda: jd.MirroredStrategy(), id="mirrored8"),
-        pytest.param(lambda: jd.CentralStorageStrategy(), id="central8"),
-        pytest.param(lambda: jd.CentralStorageStrategy(jax.devices()[:2]), id="central2"),
-    ]
+    return strategy_params("one_device", "mirrored2", "mirrored8", "central8", "central2")
 
 
 def _ids(n: int) -> np.ndarray:

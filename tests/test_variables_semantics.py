@@ -16,6 +16,8 @@ import pytest
 
 import jaxdist as jd
 
+from _helpers import strategy_params
+
 Sync, Agg = jd.VariableSynchronization, jd.VariableAggregation
 
 
@@ -79,11 +81,7 @@ def test_lossy_initial_dtypes_are_refused() -> None:
 
 
 def _strategies() -> list:
-    return [
-        pytest.param(lambda: jd.OneDeviceStrategy(), id="one_device"),
-        pytest.param(lambda: jd.MirroredStrategy(), id="mirrored8"),
-        pytest.param(lambda: jd.CentralStorageStrategy(jax.devices()[:2]), id="central2"),
-    ]
+    return strategy_params("one_device", "mirrored8", "central2")
 
 
 @pytest.mark.parametrize("make", _strategies())

@@ -44,6 +44,7 @@ from typing import Any
 
 import jax
 
+from jaxdist._jax_compat import backends_initialized as _backends_initialized
 from jaxdist.cluster_resolver.base import COLLECTIVE_JOBS, ClusterResolver
 from jaxdist.cluster_resolver.default import resolve_default
 
@@ -75,12 +76,6 @@ def _distributed_initialize(**kwargs: Any) -> None:
 
 def _distributed_shutdown() -> None:
     jax.distributed.shutdown()
-
-
-def _backends_initialized() -> bool:
-    from jax._src import xla_bridge
-
-    return bool(xla_bridge.backends_are_initialized())
 
 
 def _external_cluster() -> tuple[str | None, int, int] | None:

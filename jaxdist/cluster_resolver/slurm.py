@@ -13,6 +13,7 @@ import warnings
 from collections.abc import Mapping
 from typing import Any
 
+from jaxdist._jax_compat import backends_initialized as _backends_initialized
 from jaxdist.cluster_resolver.base import ClusterResolver
 from jaxdist.cluster_resolver.cluster_spec import ClusterSpec
 
@@ -180,12 +181,6 @@ def num_gpus_on_node() -> int:
         return len(os.listdir(_NVIDIA_GPUS_DIR))
     except OSError:
         return 0
-
-
-def _backends_initialized() -> bool:
-    from jax._src import xla_bridge
-
-    return bool(xla_bridge.backends_are_initialized())
 
 
 class SlurmClusterResolver(ClusterResolver):

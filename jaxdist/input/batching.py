@@ -126,6 +126,7 @@ class Batcher:
         self._first_rows = 0
         self._full_valid: Any = None
         self._full_counts: np.ndarray | None = None
+        self._empty: HostBatch | None = None
         # With AutoShardPolicy.OFF across processes each process's batch is its own share:
         # it is split over this process's replicas, and only their counts are known here.
         off = options.experimental_auto_shard_policy is AutoShardPolicy.OFF
@@ -340,6 +341,20 @@ class Batcher:
             self._full_counts = np.full(replicas, self.b, np.int32)
             self._full_counts.flags.writeable = False
         return self._full_counts
+
+    def empty(self) -> HostBatch | None:
+        """An all-padding batch for this process's replicas: the established shapes, valid
+        counts 0. What a process whose source has ended feeds while other processes still
+        have batches (`jaxdist.input.agreement`); None before the first batch, when the
+        shapes are unknown."""
+        if self._empty is None and self.row_shapes is not None and self.b is not None:
+            replicas = len(self._wanted)
+            leaves = [np.zeros((replicas, self.b, *s), dtype) for s, dtype in self.row_shapes]
+            counts = np.zeros(replicas, np.int32)
+            for a in (*leaves, counts):
+                a.flags.writeable = False
+            self._empty = (leaves, counts)
+        return self._empty
 
     # Placement ---------------------------------------------------------------------
 

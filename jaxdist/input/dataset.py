@@ -12,7 +12,8 @@ ahead of the consumer, so input work overlaps the training step:
   thread runs the source and splits its batches on the host, so a slow
   source (decoding, a socket) overlaps the step too; batches already in
   memory (a list or tuple of batches, `jaxdist.data.from_arrays`) need no
-  thread.
+  thread. The thread copies each batch out of the source's memory (which the
+  source may refill) into recycled host buffers (`jaxdist.input.host_pool`).
 
 The transfers stay on the consumer's thread: issued from a background thread
 they ran about 25% slower on a 2-core machine. The thread hands host batches
@@ -24,6 +25,14 @@ most ``buffer`` batches on the devices beyond the one returned, and
 Several threads may share one iterator (a lock serializes ``next``): each
 batch goes to exactly one of them, and at the end every one of them gets
 ``StopIteration``.
+
+In a job of several processes that read their own sources, the prefetch thread
+also agrees with the other processes whether any of them still has a batch
+(`jaxdist.input.agreement`), so that every process ends the epoch on the same
+step even when their sources' lengths differ. It agrees on blocks of `BLOCK`
+steps, reading (and copying) that many batches ahead, so such an iterator holds
+up to `BLOCK` more host batches; such a dataset always has a thread, which
+hides the agreement's latency behind the steps.
 """
 
 from __future__ import annotations
@@ -38,7 +47,9 @@ import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from jaxdist.input.agreement import BLOCK, StepSync, agreed
 from jaxdist.input.batching import Batcher, HostBatch
+from jaxdist.input.host_pool import HostPool
 
 __all__ = ["DistributedDataset", "DistributedIterator", "OptionalValue"]
 
@@ -120,15 +131,17 @@ class _HostThread:
     third of the throughput on a 2-core machine.
     """
 
-    def __init__(self, host: Iterator[HostBatch], depth: int) -> None:
+    def __init__(
+        self, host: Iterator[HostBatch], depth: int, pool: HostPool | None, signal: _Signal
+    ) -> None:
         self.items: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        self.signal = _Signal()
+        self.signal = signal
         self.signal.credits.put(depth)
         self._refill = max(1, depth // 2)
         self._owed = 0
         thread = threading.Thread(
             target=_fill,
-            args=(host, self.items, self.signal),
+            args=(host, self.items, self.signal, pool),
             name="jaxdist-input-prefetch",
             daemon=True,
         )
@@ -150,9 +163,16 @@ class _HostThread:
         return item
 
 
-def _fill(host: Iterator[HostBatch], out: queue.SimpleQueue[Any], signal: _Signal) -> None:
+def _fill(
+    host: Iterator[HostBatch],
+    out: queue.SimpleQueue[Any],
+    signal: _Signal,
+    pool: HostPool | None,
+) -> None:
     """The prefetch thread's loop (it never touches the iterator, so that can be collected,
-    which stops the thread)."""
+    which stops the thread). A batch that views the source's memory is copied into
+    ``pool`` before it is queued: the source may refill that memory for its next batch
+    (None: ``host`` copied its batches already)."""
     stop, credits = signal.stop, signal.credits
     allowed = 0
     last: Any = _END
@@ -166,7 +186,7 @@ def _fill(host: Iterator[HostBatch], out: queue.SimpleQueue[Any], signal: _Signa
             if stop.is_set():
                 return
             allowed -= 1
-            out.put(item)
+            out.put(item if pool is None else pool.owned(item))
     except BaseException as e:  # handed to the consumer, which re-raises it
         last = _Failure(e)
     if not stop.is_set():
@@ -181,7 +201,15 @@ class DistributedIterator:
     partial batch has padding.
     """
 
-    def __init__(self, producer: Producer, batcher: Batcher, *, threaded: bool = True) -> None:
+    def __init__(
+        self,
+        producer: Producer,
+        batcher: Batcher,
+        *,
+        threaded: bool = True,
+        sync: StepSync | None = None,
+        epoch: int = 0,
+    ) -> None:
         self._lock = threading.Lock()  # consumers in several threads take turns
         self._batcher = batcher
         self._peeked: Any = _END
@@ -192,8 +220,17 @@ class DistributedIterator:
         host = producer(batcher)
         self._host: Iterator[HostBatch] | None = None
         self._thread: _HostThread | None = None
-        if threaded:
-            self._thread = _HostThread(host, max(HOST_QUEUE, self._buffer))
+        if threaded or sync is not None:
+            signal = _Signal()
+            depth = max(HOST_QUEUE, self._buffer)
+            # Host copies in flight: queued, in the making, placed ahead, being transferred
+            # (and held by an agreement's block).
+            pool = HostPool(per_shape=depth + self._buffer + 4 + (BLOCK if sync else 0))
+            if sync is not None:  # processes with their own sources end on the same step
+                # The agreement reads a block ahead: it copies each batch as it reads it.
+                agreement = sync.epoch(epoch, signal.stop)
+                host = agreed(host, batcher, agreement, own=pool.owned)
+            self._thread = _HostThread(host, depth, None if sync else pool, signal)
             weakref.finalize(self, self._thread.signal)
         else:
             self._host = host
@@ -314,8 +351,10 @@ class DistributedDataset:
         *,
         threaded: bool = True,
         one_shot: str | None = None,
+        sync: StepSync | None = None,
     ) -> None:
         self._producer = producer
+        self._sync = sync  # processes reading their own sources agree on when they end
         self._make_batcher = make_batcher
         self._threaded = threaded
         self._one_shot = one_shot  # why a second iter() fails, for a one-shot source
@@ -330,7 +369,13 @@ class DistributedDataset:
         if self._one_shot is not None and self._epochs:
             raise RuntimeError(self._one_shot)
         self._epochs += 1
-        return DistributedIterator(self._producer, self._make_batcher(), threaded=self._threaded)
+        return DistributedIterator(
+            self._producer,
+            self._make_batcher(),
+            threaded=self._threaded,
+            sync=self._sync,
+            epoch=self._epochs,
+        )
 
     @property
     def element_spec(self) -> Any:

@@ -17,6 +17,7 @@ import jax
 import numpy as np
 
 from jaxdist.data import ArrayDataset
+from jaxdist.input.agreement import step_sync
 from jaxdist.input.batching import Batcher, HostBatch, Layout, replica_layout
 from jaxdist.input.dataset import DistributedDataset
 from jaxdist.input.options import (
@@ -82,12 +83,6 @@ def _check_source(dataset: Any, where: str) -> None:
         )
 
 
-def _owned(host: HostBatch) -> HostBatch:
-    """``host`` with every leaf that views another buffer copied into its own."""
-    leaves, counts = host
-    return [a if a.flags.owndata else np.array(a, copy=True) for a in leaves], counts
-
-
 def distribute_dataset(strategy: Strategy, dataset: Any, options: Any) -> DistributedDataset:
     where = f"{type(strategy).__name__}.experimental_distribute_dataset"
     layout = replica_layout(strategy)
@@ -112,9 +107,7 @@ def distribute_dataset(strategy: Strategy, dataset: Any, options: Any) -> Distri
         for batch in _iterate(dataset):
             host = batcher.from_global(batch)
             if host is not None:
-                # A queued batch must not be a view of the source's buffer: a generator may
-                # refill the same buffer for its next batch before this one is placed.
-                yield _owned(host) if threaded else host
+                yield host
 
     one_shot = None
     if _one_shot(dataset):
@@ -124,11 +117,14 @@ def distribute_dataset(strategy: Strategy, dataset: Any, options: Any) -> Distri
             f"Distribute a source that can be iterated again: {_REITERABLE}."
         )
     warned: set[str] = set()
+    # OFF: each process reads its own source, whose length may differ from the others'.
+    per_process = options.experimental_auto_shard_policy is AutoShardPolicy.OFF
     return DistributedDataset(
         producer,
         lambda: Batcher(strategy, options, where, layout, warned),
         threaded=threaded,
         one_shot=one_shot,
+        sync=step_sync(strategy, layout, where) if per_process else None,
     )
 
 
@@ -187,4 +183,5 @@ def distribute_from_function(
         lambda: Batcher(strategy, options, where, layout),
         threaded=not all(_in_memory(ds) for ds in datasets),
         one_shot=one_shot,
+        sync=step_sync(strategy, layout, where),  # the pipelines' lengths may differ
     )

@@ -13,6 +13,28 @@ tree), shows what crossing processes costs. Process 0 of each layout reports;
 the launcher prints the table and the ratios. Target: jaxdist >= 0.95 of the
 hand-written multi-process program.
 
+The same rounds also time both steps fed from input, ``FED_STEPS`` steps per
+call, then a wait. Each process owns its input pipeline's rows (a NumPy array,
+``BATCH / processes`` rows a step). The hand-written loop slices them into
+per-step batches and places each with ``jax.make_array_from_process_local_data``
+(while the previous step runs: it waits on that step's loss just before
+dispatching the next, keeping one collective program in flight as XLA's CPU
+runtime requires, as jaxdist's CPU gate does). jaxdist iterates a fresh epoch
+of ``strategy.distribute_datasets_from_function`` over
+``jd.data.from_arrays`` of the same rows (built once) into the
+``strategy.function`` step. In a job of several processes that dataset always
+agrees, through the ``jax.distributed`` key-value store in its prefetch
+thread, whether any process still has a batch (blocks of four steps;
+``jaxdist/input/agreement.py``), even when the sources are equally long. So
+two source pairs are timed: *equal* (every pipeline ``FED_STEPS`` batches; the
+hand-written loop needs no agreement, so the agreement is jaxdist's pure extra
+cost) and, with several processes, *uneven* (the last process's source is
+``SHORT`` steps shorter: jaxdist feeds all-padding batches there, the
+hand-written loop zero batches of the same shapes, as a program that knows
+every source's length would). One process has no agreement at all. Fed ratio:
+jaxdist's throughput / the hand-written loop's, the median of per-round ratios
+with quartiles. Target >= 0.95.
+
 Usage: python benchmarks/multi_process.py            # both layouts
        python benchmarks/multi_process.py --worker   # one process (started by the above)
 """
@@ -22,14 +44,18 @@ from __future__ import annotations
 import json
 import os
 import socket
+import statistics
 import subprocess
 import sys
 import time
 import warnings
+from collections.abc import Callable
+from typing import Any
 
 SIZES = (784, 1024, 1024, 10)
 BATCH, LR = 512, 0.01
 CALLS, ROUNDS = 10, 7
+FED_STEPS, SHORT = 32, 2  # steps per fed call; the uneven pair's shorter source
 
 
 def worker() -> None:
@@ -117,14 +143,93 @@ def worker() -> None:
         state["reduce"] = reduce_only(state["reduce"])
         jax.block_until_ready(state["reduce"])
 
-    candidates = {"hand": run_hand, "jaxdist": run_jd, "all_reduce": run_reduce}
-    times = _harness.compare(candidates, calls=CALLS, rounds=ROUNDS)
+    # Fed from input: each input pipeline's rows (one pipeline per process), made alike
+    # in every process; a pipeline's rows of step s are rows [s*rows, (s+1)*rows).
+    rows = BATCH // procs
+
+    def source(pipeline: int, steps: int) -> tuple[np.ndarray, np.ndarray]:
+        g = np.random.default_rng(1 + pipeline)
+        x = g.normal(size=(FED_STEPS * rows, SIZES[0])).astype(np.float32)
+        y = g.integers(0, 10, size=(FED_STEPS * rows,)).astype(np.int32)
+        return x[: steps * rows], y[: steps * rows]
+
+    def steps_of(pipeline: int, uneven: bool) -> int:
+        return FED_STEPS - SHORT if uneven and pipeline == procs - 1 else FED_STEPS
+
+    def fed_hand(name: str, uneven: bool) -> Callable[[], None]:
+        fx, fy = source(me, steps_of(me, uneven))
+        pad = np.zeros((rows, SIZES[0]), np.float32), np.zeros((rows,), np.int32)
+
+        def run():
+            loss = None
+            for s in range(FED_STEPS):
+                lo = s * rows
+                bx, by = (fx[lo : lo + rows], fy[lo : lo + rows]) if lo < len(fx) else pad
+                bx = jax.make_array_from_process_local_data(data, bx, (BATCH, SIZES[0]))
+                by = jax.make_array_from_process_local_data(data, by, (BATCH,))
+                if loss is not None:  # XLA:CPU: one collective program in flight
+                    loss.block_until_ready()
+                state[name], loss = hand(state[name], bx, by)
+            loss.block_until_ready()
+
+        return run
+
+    def fed_jd(name: str, uneven: bool) -> Callable[[], None]:
+        def dataset_fn(ctx):
+            pipeline = ctx.input_pipeline_id
+            fx, fy = source(pipeline, steps_of(pipeline, uneven))
+            return jd.data.from_arrays(fx, fy, batch_size=ctx.get_per_replica_batch_size(BATCH))
+
+        dataset = strategy.distribute_datasets_from_function(dataset_fn)  # built once
+
+        def run():
+            loss = None
+            for bx, by in dataset:  # a fresh epoch: FED_STEPS steps
+                state[name], loss = step(state[name], bx, by)
+            jax.block_until_ready(loss)
+
+        return run
+
+    def calls(fn: Callable[[], None], times: int) -> Callable[[], None]:
+        def run():
+            for _ in range(times):
+                fn()
+
+        return run
+
+    # One timed call per candidate and round: CALLS steps (as before), or FED_STEPS.
+    candidates: dict[str, Callable[[], object]] = {
+        "hand": calls(run_hand, CALLS),
+        "jaxdist": calls(run_jd, CALLS),
+        "all_reduce": calls(run_reduce, CALLS),
+    }
+    pairs = ("equal", "uneven") if procs > 1 else ("equal",)
+    for pair in pairs:  # every process makes its datasets in the same order
+        for side, make in (("fed_hand", fed_hand), ("fed_jd", fed_jd)):
+            name = f"{side}_{pair}"
+            state[name] = copy(params)
+            candidates[name] = make(name, pair == "uneven")
+    samples = _harness.sample(candidates, calls=1, rounds=ROUNDS)
+    for pair in pairs:  # the same epochs of the same batches: the same parameters
+        hand_fed, jd_fed = (jax.tree.leaves(state[f"{s}_{pair}"]) for s in ("fed_hand", "fed_jd"))
+        for a, b in zip(hand_fed, jd_fed, strict=True):
+            np.testing.assert_allclose(a.addressable_data(0), b.addressable_data(0), rtol=1e-5)
+    times = {k: statistics.median(v) / CALLS for k, v in samples.items() if "fed" not in k}
+    fed = {}
+    for pair in pairs:
+        # Per round: the hand-written loop's time / jaxdist's (jaxdist's throughput ratio).
+        ratios = _harness.paired_ratios(samples, base=f"fed_jd_{pair}")[f"fed_hand_{pair}"]
+        fed[pair] = {
+            side: statistics.median(samples[f"{side}_{pair}"]) / FED_STEPS
+            for side in ("fed_hand", "fed_jd")
+        } | {"ratio": ratios}
     if me == 0:
-        print("RESULT " + json.dumps({"processes": procs, "devices": n // procs, **times}))
+        result = {"processes": procs, "devices": n // procs, **times, "fed": fed}
+        print("RESULT " + json.dumps(result))
     jd.cluster_resolver.shutdown()
 
 
-def _launch(processes: int, devices: int) -> dict[str, float]:
+def _launch(processes: int, devices: int) -> dict[str, Any]:
     """Runs the worker as ``processes`` processes of ``devices`` devices; process 0's times."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -184,6 +289,24 @@ def main() -> None:
         f"throughput; the step takes {step_gap:+.1f} ms, the gradient all-reduce alone "
         f"{reduce_gap:+.1f} ms"
     )
+    print(
+        f"\nFed from input: {FED_STEPS} steps per call (a fresh epoch), median of {ROUNDS} "
+        "rounds; ratio = jaxdist / hand-written throughput per round [quartiles], target >= 0.95"
+    )
+    print(
+        f"{'processes x devices':<20}{'sources':<16}{'hand-written':>14}{'jaxdist':>10}"
+        f"{'ratio':>8}{'quartiles':>14}  agreement"
+    )
+    for name, t in rows.items():
+        for pair, f in t["fed"].items():
+            ratio, q1, q3 = f["ratio"]
+            short = FED_STEPS - SHORT
+            sources = f"{pair} ({FED_STEPS}/{short if pair == 'uneven' else FED_STEPS})"
+            agreement = "on (always, >1 process)" if t["processes"] > 1 else "none (1 process)"
+            print(
+                f"{name:<20}{sources:<16}{1 / f['fed_hand']:>8.2f} st/s{1 / f['fed_jd']:>10.2f}"
+                f"{ratio:>8.3f}{f'{q1:.3f}-{q3:.3f}':>14}  {agreement}"
+            )
     print(f"({time.perf_counter() - start:.0f} s in all)")
 
 

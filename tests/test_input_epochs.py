@@ -10,6 +10,7 @@ from __future__ import annotations
 import warnings
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -228,3 +229,22 @@ def test_from_generator_is_reiterable(mirrored8: jd.MirroredStrategy) -> None:
         TypeError, match=r"generator_fn <lambda>\(\) returned a value of type int, not an"
     ):
         iter(bad)
+
+
+@pytest.mark.parametrize("n", [1, 8])
+def test_dataset_reduce_folds_an_epoch(n: int) -> None:
+    """TF's ``DistributedDataset.reduce``: the masked sum of a 100-row epoch in batches of
+    32 (the last one padded) equals NumPy's sum of the 100 rows; a second call is a new
+    epoch."""
+    s = jd.OneDeviceStrategy() if n == 1 else jd.MirroredStrategy()
+    x = np.arange(100 * 2, dtype=np.float32).reshape(100, 2)
+    ds = s.experimental_distribute_dataset(jd.data.from_arrays(x, batch_size=32))
+
+    def add(total: jax.Array, batch: jd.PerReplica) -> jax.Array:
+        return total + s.reduce("sum", batch, axis=0)
+
+    for _ in range(2):
+        np.testing.assert_allclose(np.asarray(ds.reduce(jnp.zeros(2), add)), x.sum(0), rtol=1e-6)
+    assert ds.reduce(0, lambda count, _: count + 1) == 4
+    with pytest.raises(TypeError, match=r"reduce_func must be callable as reduce_func\(state"):
+        ds.reduce(0, "sum")

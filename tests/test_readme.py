@@ -209,7 +209,6 @@ NOT_YET = [
     (jd.StrategyExtended, "update_non_slot"),
     (jd.StrategyExtended, "non_slot_devices"),
     (jd.StrategyExtended, "read_var"),
-    (jd.DistributedDataset, "reduce"),
     (jd.CrossDeviceOps, "reduce_implementation"),
 ]
 

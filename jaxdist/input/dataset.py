@@ -377,6 +377,23 @@ class DistributedDataset:
             epoch=self._epochs,
         )
 
+    def reduce(self, initial_state: Any, reduce_func: Callable[[Any, Any], Any]) -> Any:
+        """Folds one epoch: ``state = reduce_func(state, element)`` for every distributed
+        batch, from ``initial_state`` (TF's ``DistributedDataset.reduce``).
+
+        Example: ``ds.reduce(0.0, lambda total, b: total + strategy.reduce("sum", b,
+        axis=0))`` sums every row of the epoch (padding excluded).
+        """
+        if not callable(reduce_func):
+            raise TypeError(
+                "DistributedDataset.reduce(initial_state, reduce_func): reduce_func must be "
+                f"callable as reduce_func(state, element), got {type(reduce_func).__name__}."
+            )
+        state = initial_state
+        for element in self:
+            state = reduce_func(state, element)
+        return state
+
     @property
     def element_spec(self) -> Any:
         """As `DistributedIterator.element_spec` (reads the first batch; for a one-shot

@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import pty
 import re
+import select
 import signal
 import threading
 import time
@@ -792,6 +793,18 @@ def test_keyboard_interrupt_inside_a_step_is_not_taken_for_a_clean_stop() -> Non
     assert not isinstance(e.value, jd.training.FitInterrupted)
 
 
+def _read_all(fd: int) -> str:
+    """Everything written to a pseudo terminal so far: one read may return only the first
+    part (the terminal delivers in pieces, more so on a loaded machine)."""
+    chunks = []
+    while select.select([fd], [], [], 0.5)[0]:
+        chunk = os.read(fd, 65536)
+        if not chunk:
+            break
+        chunks.append(chunk)
+    return b"".join(chunks).decode()
+
+
 def test_bar_on_a_terminal_that_reports_no_size() -> None:
     """A pseudo terminal of size 0 x 0 (as CI runners give) is a terminal: "auto" draws the
     bar, and it is drawn (tqdm alone hides a bar on a terminal of 0 lines)."""
@@ -806,6 +819,6 @@ def test_bar_on_a_terminal_that_reports_no_size() -> None:
         display.epoch_end(0, 4, {"loss": 0.25}, 1234.0, 0.1)
         display.close()
         stream.flush()
-        out = os.read(master, 65536).decode()
+        out = _read_all(master)
     os.close(master)
     assert re.search(r"epoch 1/2: 100%\|.*\| 4/4 .*loss 0\.2500  1,234 examples/s", out), out

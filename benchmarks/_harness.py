@@ -64,7 +64,7 @@ def compare(
 def paired_ratios(samples: dict[str, list[float]], base: str) -> dict[str, tuple[float, ...]]:
     """Per candidate: the median and quartiles of its time / ``base``'s time in the same
     round (pairing within a round cancels slow drift of a shared machine)."""
-    out = {}
+    out: dict[str, tuple[float, ...]] = {}
     for name, times in samples.items():
         ratios = [t / b for t, b in zip(times, samples[base], strict=True)]
         q1, _, q3 = statistics.quantiles(ratios, n=4)

@@ -336,10 +336,6 @@ class _Batcher:
         return "pad" if self.seen else None
 
 
-def _as_is(batch: Any) -> Any:
-    return batch
-
-
 def _source(p: int, length: int, fail_at: int | None, batcher: _Batcher) -> Iterator[Any]:
     for i in range(length):
         if i == fail_at:
@@ -366,7 +362,7 @@ def _agree_in_threads(
         batcher = _Batcher()
         source = _source(p, lengths[p], (fail_at or {}).get(p), batcher)
         try:
-            for item in agreement.agreed(source, batcher, sync.epoch(1, threading.Event()), _as_is):
+            for item in agreement.agreed(source, batcher, sync.epoch(1, threading.Event())):
                 yielded[p].append(item)
         except BaseException as e:
             raised[p] = e
@@ -443,7 +439,7 @@ def test_a_process_that_never_answers_times_out_with_an_explanation(
     sync = agreement.StepSync("test/0", 2, 0, "W.fn", 0.3)  # process 1 never runs
     batcher = _Batcher()
     agreed = agreement.agreed(
-        _source(0, 9, None, batcher), batcher, sync.epoch(1, threading.Event()), _as_is
+        _source(0, 9, None, batcher), batcher, sync.epoch(1, threading.Event())
     )
     with pytest.raises(RuntimeError, match=r"W.fn: process 0 waited 0.3 s .* 1 of 2 processes"):
         next(agreed)
@@ -456,7 +452,7 @@ def test_a_closed_iterator_stops_waiting(monkeypatch: pytest.MonkeyPatch) -> Non
     stop = threading.Event()
     sync = agreement.StepSync("test/0", 2, 0, "W.fn", 60.0)
     batcher = _Batcher()
-    agreed = agreement.agreed(_source(0, 9, None, batcher), batcher, sync.epoch(1, stop), _as_is)
+    agreed = agreement.agreed(_source(0, 9, None, batcher), batcher, sync.epoch(1, stop))
     threading.Timer(0.3, stop.set).start()
     assert list(agreed) == []  # returned once the stop flag was seen
 

@@ -68,8 +68,10 @@ import enum
 import itertools
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
+
+import jax
 
 from jaxdist._jax_compat import distributed_client as _client
 
@@ -130,8 +132,6 @@ def step_sync(strategy: Strategy, layout: Layout, where: str) -> StepSync | None
         raise ValueError(f"{where}: at most {_MASK} processes can agree on uneven input.")
     communication = getattr(strategy, "communication_options", None)
     timeout = getattr(communication, "timeout_seconds", None) or DEFAULT_TIMEOUT_S
-    import jax
-
     return StepSync(
         prefix=f"jaxdist/input/{next(_DATASETS)}",
         num_processes=layout.num_processes,
@@ -314,15 +314,12 @@ class EpochAgreement:
 
 
 def agreed(
-    host: Iterator[HostBatch],
-    batcher: Batcher,
-    agreement: EpochAgreement,
-    own: Callable[[HostBatch], HostBatch],
+    host: Iterator[HostBatch], batcher: Batcher, agreement: EpochAgreement
 ) -> Iterator[HostBatch]:
     """``host``'s batches, then all-padding ones until no process has a batch left: ends
     (or raises) on the same step in every process. Runs where ``host`` runs (the prefetch
-    thread). ``own`` copies a batch out of the source's memory (which the source may refill
-    while the block is read)."""
+    thread); it reads a block ahead, so ``host``'s batches must not view memory that the
+    source changes (`DistributedIterator` copies them first)."""
     held: collections.deque[HostBatch] = collections.deque()
     try:
         while True:
@@ -330,7 +327,7 @@ def agreed(
             ended = False
             while len(held) < BLOCK:
                 try:
-                    held.append(own(next(host)))
+                    held.append(next(host))
                 except StopIteration:
                     ended = True
                     break

@@ -131,9 +131,7 @@ class _HostThread:
     third of the throughput on a 2-core machine.
     """
 
-    def __init__(
-        self, host: Iterator[HostBatch], depth: int, pool: HostPool | None, signal: _Signal
-    ) -> None:
+    def __init__(self, host: Iterator[HostBatch], depth: int, signal: _Signal) -> None:
         self.items: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self.signal = signal
         self.signal.credits.put(depth)
@@ -141,7 +139,7 @@ class _HostThread:
         self._owed = 0
         thread = threading.Thread(
             target=_fill,
-            args=(host, self.items, self.signal, pool),
+            args=(host, self.items, self.signal),
             name="jaxdist-input-prefetch",
             daemon=True,
         )
@@ -163,16 +161,9 @@ class _HostThread:
         return item
 
 
-def _fill(
-    host: Iterator[HostBatch],
-    out: queue.SimpleQueue[Any],
-    signal: _Signal,
-    pool: HostPool | None,
-) -> None:
+def _fill(host: Iterator[HostBatch], out: queue.SimpleQueue[Any], signal: _Signal) -> None:
     """The prefetch thread's loop (it never touches the iterator, so that can be collected,
-    which stops the thread). A batch that views the source's memory is copied into
-    ``pool`` before it is queued: the source may refill that memory for its next batch
-    (None: ``host`` copied its batches already)."""
+    which stops the thread)."""
     stop, credits = signal.stop, signal.credits
     allowed = 0
     last: Any = _END
@@ -186,7 +177,7 @@ def _fill(
             if stop.is_set():
                 return
             allowed -= 1
-            out.put(item if pool is None else pool.owned(item))
+            out.put(item)
     except BaseException as e:  # handed to the consumer, which re-raises it
         last = _Failure(e)
     if not stop.is_set():
@@ -226,11 +217,12 @@ class DistributedIterator:
             # Host copies in flight: queued, in the making, placed ahead, being transferred
             # (and held by an agreement's block).
             pool = HostPool(per_shape=depth + self._buffer + 4 + (BLOCK if sync else 0))
+            # Each batch is copied out of the source's memory as soon as it is made, before
+            # the source is asked for the next (which may refill that memory).
+            host = map(pool.owned, host)
             if sync is not None:  # processes with their own sources end on the same step
-                # The agreement reads a block ahead: it copies each batch as it reads it.
-                agreement = sync.epoch(epoch, signal.stop)
-                host = agreed(host, batcher, agreement, own=pool.owned)
-            self._thread = _HostThread(host, depth, None if sync else pool, signal)
+                host = agreed(host, batcher, sync.epoch(epoch, signal.stop))
+            self._thread = _HostThread(host, depth, signal)
             weakref.finalize(self, self._thread.signal)
         else:
             self._host = host

@@ -87,6 +87,4 @@ class HostPool:
     def owned(self, host: HostBatch) -> HostBatch:
         """``host`` with every leaf that views another array's memory copied."""
         leaves, counts = host
-        if all(a.flags.owndata for a in leaves):
-            return host
         return [a if a.flags.owndata else self.copy(a) for a in leaves], counts

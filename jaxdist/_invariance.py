@@ -30,14 +30,29 @@ it.
 from __future__ import annotations
 
 import dataclasses
+import threading
+import warnings
 from collections.abc import Iterable, Sequence
 from typing import Any
 
 import jax
-from jax.extend import core as jcore
-from jax.interpreters import ad, batching, mlir
 
-from jaxdist._jax_compat import aval_varying_axes, with_varying_axes
+from jaxdist._jax_compat import (
+    JAX_VERSION,
+    aval_varying_axes,
+    collective_axes,
+    cond_branches,
+    define_cast_primitive,
+    has_axis_index_groups,
+    is_literal,
+    is_symbolic_zero,
+    primitive_name,
+    scan_layout,
+    sub_jaxprs,
+    symbolic_zero,
+    while_layout,
+    with_varying_axes,
+)
 
 __all__ = ["ValueInfo", "analyze", "assume_invariant"]
 
@@ -69,16 +84,18 @@ class ValueInfo:
 
 _INVARIANT = ValueInfo(False, 0)
 
+# The primitive names below are spelled as `jaxdist._jax_compat.primitive_name` gives
+# them; tests/test_jax_compat.py checks each against the installed JAX.
+
 # Primitives that can make replicas differ even when their inputs are identical on
 # every replica.
-_SOURCES = frozenset(
+SOURCES = frozenset(
     {
         "axis_index",
         "ppermute",
         "all_to_all",
         "ragged_all_to_all",
         "reduce_scatter",
-        "psum_scatter",
         "unreduced_reduce_scatter",
         "rng_uniform",
         "pure_callback",
@@ -87,42 +104,65 @@ _SOURCES = frozenset(
 )
 # Collectives that reduce over replicas: the result is the same on every replica of the
 # axes reduced over, whatever the inputs.
-_REDUCING = frozenset({"psum", "psum_invariant", "pmax", "pmin", "unreduced_psum"})
+REDUCING = frozenset(
+    {"psum", "psum_invariant", "pmax", "pmin", "unreduced_psum", "unreduced_pmax", "unreduced_pmin"}
+)
+# Collectives that gather every replica's value: the same everywhere once gathered over
+# every replica axis.
+GATHERING = frozenset({"all_gather", "all_gather_invariant"})
 # Collectives whose result is identical on every replica when their inputs are.
-_SAFE_COLLECTIVES = frozenset(
-    {
-        "psum",
-        "psum_invariant",
-        "pmax",
-        "pmin",
-        "pmean",
-        "all_gather",
-        "all_gather_invariant",
-        "all_gather_reduced",
-        "unreduced_psum",
-        "pbroadcast",
-        "pvary",
-        "preduced",
-        "reduced_vary_cast",
-        "vary_unreduced_cast",
-        "jaxdist_assume_invariant",
-    }
+SAFE_COLLECTIVES = (
+    REDUCING
+    | GATHERING
+    | frozenset(
+        {
+            "all_gather_reduced",
+            "pbroadcast",
+            "pvary",
+            "preduced",
+            "reduced_vary_cast",
+            "vary_unreduced_cast",
+            "jaxdist_assume_invariant",
+        }
+    )
 )
 # Call-like primitives: one sub-jaxpr whose inputs and outputs are the equation's.
-_CALLS = frozenset(
-    {
-        "jit",
-        "pjit",
-        "closed_call",
-        "core_call",
-        "remat",
-        "checkpoint",
-        "custom_jvp_call",
-        "custom_vjp_call",
-        "custom_vjp_call_jaxpr",
-        "custom_lin",
-    }
+CALLS = frozenset(
+    {"jit", "closed_call", "remat2", "custom_jvp_call", "custom_vjp_call", "custom_lin"}
 )
+# Higher-order primitives whose operand layout the analysis reads.
+CONTROL_FLOW = frozenset({"scan", "while", "cond"})
+# Names that only some supported JAX releases define: name -> [first, last) (major,
+# minor) release that has it (checked by tests/test_jax_compat.py).
+VERSION_SPECIFIC: dict[str, tuple[tuple[int, int], tuple[int, int]]] = {
+    "unreduced_pmax": ((0, 12), (99, 0)),
+    "unreduced_pmin": ((0, 12), (99, 0)),
+    "closed_call": ((0, 0), (0, 12)),
+}
+
+_warned: set[str] = set()
+_warn_lock = threading.Lock()
+
+
+def _not_understood(eqn: Any, args: list[ValueInfo], why: str) -> list[ValueInfo]:
+    """The safe answer for an equation the analysis cannot read: every output may differ
+    between replicas (it then takes the varying-state path). Warns once per primitive."""
+    name = primitive_name(eqn)
+    with _warn_lock:
+        first = name not in _warned
+        _warned.add(name)
+    if first:
+        warnings.warn(
+            f"jaxdist: the replica-invariance analysis does not understand the primitive "
+            f"{name!r} ({why}) of jax {JAX_VERSION}; its outputs are treated as possibly "
+            "different per replica, so state computed from them comes back averaged or "
+            "per replica instead of as one replicated copy. Results stay correct; please "
+            "report this with your JAX version.",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+    deps = _join_all(args).deps
+    return [ValueInfo(True, deps)] * len(eqn.outvars)
 
 
 def _typed_varying(aval: Any, axes: frozenset[str]) -> bool:
@@ -130,19 +170,19 @@ def _typed_varying(aval: Any, axes: frozenset[str]) -> bool:
 
 
 def _is_source(eqn: Any) -> bool:
-    name = eqn.primitive.name
-    if name in _SOURCES:
+    name = primitive_name(eqn)
+    if name in SOURCES:
         return True
-    if name in _SAFE_COLLECTIVES:
+    if name in SAFE_COLLECTIVES:
         return False
     # An unknown collective: assume it can make replicas differ.
-    return "axis_name" in eqn.params
+    return collective_axes(eqn) is not None
 
 
 def _contains_source(jaxprs: Iterable[Any]) -> bool:
     for j in jaxprs:
         for eqn in j.eqns:
-            if _is_source(eqn) or _contains_source(jcore.jaxprs_in_params(eqn.params)):
+            if _is_source(eqn) or _contains_source(sub_jaxprs(eqn)):
                 return True
     return False
 
@@ -158,7 +198,7 @@ def _walk(jaxpr: Any, ins: Sequence[ValueInfo], axes: frozenset[str]) -> list[Va
     env: dict[Any, ValueInfo] = {}
 
     def read(a: Any) -> ValueInfo:
-        if isinstance(a, jcore.Literal):
+        if is_literal(a):
             return _INVARIANT
         info = env.get(a)
         if info is None:  # a constvar: closed-over arrays are the same everywhere
@@ -190,69 +230,86 @@ def _fixed_point_carry(step: Any, carry: list[ValueInfo], max_iters: int = 64) -
 
 
 def _eqn(eqn: Any, args: list[ValueInfo], axes: frozenset[str]) -> list[ValueInfo]:
-    name = eqn.primitive.name
+    name = primitive_name(eqn)
     n_out = len(eqn.outvars)
     everything = _join_all(args)
     if name == "pvary":
         return args  # a cast of the type: the value does not change
     if _is_source(eqn):
         return [ValueInfo(True, everything.deps)] * n_out
-    params = eqn.params
     if _reduces_over(eqn, axes):  # psum & co. over every replica axis: the same everywhere
         return [ValueInfo(False, everything.deps)] * n_out
-    subs = list(jcore.jaxprs_in_params(params))
+    subs = sub_jaxprs(eqn)
     if not subs:
         return [everything] * n_out
-    if name in _CALLS and len(subs) == 1 and len(subs[0].invars) == len(args):
-        outs = _walk(subs[0], args, axes)
-        if len(outs) == n_out:
-            return outs
+    if name in CALLS:
+        if len(subs) == 1 and len(subs[0].invars) == len(args):
+            outs = _walk(subs[0], args, axes)
+            if len(outs) == n_out:
+                return outs
+        return _not_understood(eqn, args, "a call whose body does not match its operands")
     if name == "scan":
-        body = subs[0]
-        nc, nk = params["num_consts"], params["num_carry"]
-        consts, carry, xs = args[:nc], args[nc : nc + nk], args[nc + nk :]
-
-        def scan_step(c: list[ValueInfo]) -> list[ValueInfo]:
-            return _walk(body, [*consts, *c, *xs], axes)[:nk]
-
-        carry = _fixed_point_carry(scan_step, list(carry))
-        return _walk(body, [*consts, *carry, *xs], axes)
+        return _scan(eqn, args, axes)
     if name == "while":
-        cond_j, body_j = params["cond_jaxpr"].jaxpr, params["body_jaxpr"].jaxpr
-        cn, bn = params["cond_nconsts"], params["body_nconsts"]
-        c_consts, b_consts, carry = args[:cn], args[cn : cn + bn], args[cn + bn :]
-
-        def while_step(c: list[ValueInfo]) -> list[ValueInfo]:
-            return _walk(body_j, [*b_consts, *c], axes)
-
-        carry = _fixed_point_carry(while_step, list(carry))
-        (pred,) = _walk(cond_j, [*c_consts, *carry], axes)
-        if pred.varying:  # replicas may loop a different number of times
-            return [ValueInfo(True, c.deps | pred.deps, True) for c in carry]
-        return [ValueInfo(c.varying, c.deps | pred.deps, c.control) for c in carry]
+        return _while(eqn, args, axes)
     if name == "cond":
-        index, ops = args[0], args[1:]
-        branch_outs = [_walk(b, ops, axes) for b in subs]
-        outs = [_join_all(col) for col in zip(*branch_outs, strict=True)]
-        if index.varying:  # replicas may take different branches
-            return [ValueInfo(True, o.deps | index.deps, True) for o in outs]
-        return [ValueInfo(o.varying, o.deps | index.deps, o.control) for o in outs]
-    # Any other higher-order primitive: every output depends on every input.
-    if _contains_source(subs):
-        return [ValueInfo(True, everything.deps)] * n_out
-    return [everything] * n_out
+        return _cond(eqn, args, axes)
+    return _not_understood(eqn, args, "a higher-order primitive")
+
+
+def _scan(eqn: Any, args: list[ValueInfo], axes: frozenset[str]) -> list[ValueInfo]:
+    layout = scan_layout(eqn)
+    subs = sub_jaxprs(eqn)
+    if layout is None or len(subs) != 1 or len(subs[0].invars) != len(args):
+        return _not_understood(eqn, args, "an unknown scan parameter layout")
+    (body,), (nc, nk) = subs, layout
+    consts, carry, xs = args[:nc], args[nc : nc + nk], args[nc + nk :]
+
+    def scan_step(c: list[ValueInfo]) -> list[ValueInfo]:
+        return _walk(body, [*consts, *c, *xs], axes)[:nk]
+
+    carry = _fixed_point_carry(scan_step, list(carry))
+    return _walk(body, [*consts, *carry, *xs], axes)
+
+
+def _while(eqn: Any, args: list[ValueInfo], axes: frozenset[str]) -> list[ValueInfo]:
+    layout = while_layout(eqn)
+    if layout is None:
+        return _not_understood(eqn, args, "an unknown while parameter layout")
+    cond_j, body_j, cn, bn = layout
+    c_consts, b_consts, carry = args[:cn], args[cn : cn + bn], args[cn + bn :]
+
+    def while_step(c: list[ValueInfo]) -> list[ValueInfo]:
+        return _walk(body_j, [*b_consts, *c], axes)
+
+    carry = _fixed_point_carry(while_step, list(carry))
+    (pred,) = _walk(cond_j, [*c_consts, *carry], axes)
+    if pred.varying:  # replicas may loop a different number of times
+        return [ValueInfo(True, c.deps | pred.deps, True) for c in carry]
+    return [ValueInfo(c.varying, c.deps | pred.deps, c.control) for c in carry]
+
+
+def _cond(eqn: Any, args: list[ValueInfo], axes: frozenset[str]) -> list[ValueInfo]:
+    branches = cond_branches(eqn)
+    if not branches or any(len(b.invars) != len(args) - 1 for b in branches):
+        return _not_understood(eqn, args, "an unknown cond parameter layout")
+    index, ops = args[0], args[1:]
+    branch_outs = [_walk(b, ops, axes) for b in branches]
+    outs = [_join_all(col) for col in zip(*branch_outs, strict=True)]
+    if index.varying:  # replicas may take different branches
+        return [ValueInfo(True, o.deps | index.deps, True) for o in outs]
+    return [ValueInfo(o.varying, o.deps | index.deps, o.control) for o in outs]
 
 
 def _reduces_over(eqn: Any, axes: frozenset[str]) -> bool:
     """A reduction (or a full all-gather) over every replica axis, in one group."""
-    name = eqn.primitive.name
-    if name not in _REDUCING and name not in ("all_gather", "all_gather_invariant"):
+    name = primitive_name(eqn)
+    if name not in REDUCING and name not in GATHERING:
         return False
-    if eqn.params.get("axis_index_groups") is not None:
+    if has_axis_index_groups(eqn):
         return False
-    names = eqn.params.get("axes", eqn.params.get("axis_name", ()))
-    names = (names,) if isinstance(names, str) else tuple(names)
-    return axes <= frozenset(names)
+    names = collective_axes(eqn)
+    return names is not None and axes <= frozenset(names)
 
 
 def analyze(jaxpr: Any, axes: str | Sequence[str], tracked: Sequence[int] = ()) -> list[ValueInfo]:
@@ -274,8 +331,6 @@ def analyze(jaxpr: Any, axes: str | Sequence[str], tracked: Sequence[int] = ()) 
 
 # The no-op cast ------------------------------------------------------------------
 
-assume_invariant_p = jcore.Primitive("jaxdist_assume_invariant")
-
 
 def _abstract_eval(aval: Any, *, axes: tuple[str, ...]) -> Any:
     return with_varying_axes(aval, aval_varying_axes(aval) - frozenset(axes))
@@ -287,20 +342,14 @@ def _transpose(ct: Any, x: Any, *, axes: tuple[str, ...]) -> tuple[Any]:
     n = 1
     for a in axes:
         n *= jax.lax.axis_size(a)
-    if isinstance(ct, ad.Zero):
-        return (ad.Zero(x.aval),)
+    if is_symbolic_zero(ct):
+        return (symbolic_zero(x.aval),)
     return (jax.lax.pcast(ct, axes, to="varying") / n,)
 
 
-def _batch(vals: Sequence[Any], dims: Sequence[Any], *, axes: tuple[str, ...]) -> Any:
-    (x,), (d,) = vals, dims
-    return assume_invariant_p.bind(x, axes=axes), d
-
-
-assume_invariant_p.def_abstract_eval(_abstract_eval)
-mlir.register_lowering(assume_invariant_p, lambda ctx, x, *, axes: [x])
-ad.deflinear2(assume_invariant_p, _transpose)
-batching.primitive_batchers[assume_invariant_p] = _batch
+_bind_assume_invariant = define_cast_primitive(
+    "jaxdist_assume_invariant", _abstract_eval, _transpose
+)
 
 
 def assume_invariant(x: Any, axes: str | Sequence[str]) -> Any:
@@ -311,4 +360,4 @@ def assume_invariant(x: Any, axes: str | Sequence[str]) -> Any:
     cast = tuple(a for a in axis_tuple if a in present)
     if not cast:
         return x
-    return assume_invariant_p.bind(x, axes=cast)
+    return _bind_assume_invariant(x, axes=cast)

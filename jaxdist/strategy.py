@@ -25,6 +25,7 @@ from jax.sharding import PartitionSpec as P
 from jaxdist import _dispatch
 from jaxdist._compile import describe_bad_leaf
 from jaxdist._cross_replica import gather_leaf, reduce_distributed, reduce_leaf
+from jaxdist._jax_compat import is_incompatible_devices
 from jaxdist._mesh_placement import (
     onto_mesh,
     variables_to,
@@ -314,7 +315,7 @@ class Strategy:
             if better is not None:
                 raise better from error
             raise error
-        if "incompatible devices" not in str(error):
+        if not is_incompatible_devices(error):
             raise error
         # Some argument is committed to devices outside this strategy's mesh (for
         # example one replica's local result): place it on the mesh and retry.

@@ -74,6 +74,7 @@ from typing import TYPE_CHECKING
 import jax
 
 from jaxdist._jax_compat import distributed_client as _client
+from jaxdist._jax_compat import is_deadline_exceeded
 
 if TYPE_CHECKING:
     from jaxdist.input.batching import Batcher, HostBatch, Layout
@@ -277,7 +278,7 @@ class EpochAgreement:
                 slice_ms = max(1, int(1000 * min(_SLICE_S, remaining)))
                 return str(self._client.blocking_key_value_get(key, slice_ms))
             except Exception as e:
-                if "DEADLINE_EXCEEDED" not in str(e):
+                if not is_deadline_exceeded(e):
                     raise RuntimeError(
                         f"{sync.where}: process {sync.process_index} lost the jax.distributed "
                         "coordination service while the processes agreed whether any input "

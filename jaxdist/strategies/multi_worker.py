@@ -71,14 +71,15 @@ from typing import Any
 
 import jax
 
+from jaxdist._jax_compat import CPU_COLLECTIVE_TIMEOUT_FLAG
 from jaxdist.reduce import CrossDeviceOps
 from jaxdist.strategy import Strategy
 
 __all__ = ["MultiWorkerMirroredStrategy"]
 
 AXES = ("host", "local")
-_CPU_TIMEOUT_FLAG = "--xla_cpu_collective_timeout_seconds"
-_FLAG_PATTERN = re.compile(r"(?:^|\s)--xla_cpu_collective_timeout_seconds=(\S*)")
+_CPU_TIMEOUT_FLAG = CPU_COLLECTIVE_TIMEOUT_FLAG
+_FLAG_PATTERN = re.compile(rf"(?:^|\s){re.escape(_CPU_TIMEOUT_FLAG)}=(\S*)")
 
 
 def _flag_value(xla_flags: str) -> str | None:

@@ -15,6 +15,7 @@ $(STAMP): pyproject.toml
 test: $(STAMP)
 	$(VENV)/bin/ruff check jaxdist tests benchmarks conftest.py
 	$(VENV)/bin/mypy jaxdist
+	$(VENV)/bin/lint-imports
 	$(PY) -m pytest -q
 
 demo: $(STAMP)

@@ -1,11 +1,15 @@
 """jaxdist: tf.distribute's programming model for JAX.
 
-Only the names re-exported here (and the ``jaxdist.experimental`` module) are
-public; every other module is internal.
+Only the names in `_PUBLIC` below (and the ``jaxdist.experimental``,
+``jaxdist.training``, ``jaxdist.checkpoint``, ``jaxdist.data`` and
+``jaxdist.cluster_resolver`` modules) are public; every other module is internal.
 
-Names are loaded when first used (PEP 562): ``import jaxdist`` costs nothing
-until a name is looked up, so the launcher (``python -m jaxdist.launch``,
-which needs only the standard library) starts without importing JAX.
+`_PUBLIC` is the one table of public names: each name and the module that defines
+it. ``__all__`` is made from it, and names are loaded from it when first used
+(PEP 562): ``import jaxdist`` costs nothing until a name is looked up, so the
+launcher (``python -m jaxdist.launch``, which needs only the standard library)
+starts without importing JAX. The ``TYPE_CHECKING`` block shows type checkers the
+same names; ``tests/test_package.py`` checks that it matches the table.
 """
 
 from __future__ import annotations
@@ -13,96 +17,152 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-if TYPE_CHECKING:  # what type checkers and IDEs see: the same names, imported eagerly
-    from jaxdist import checkpoint, cluster_resolver, data, experimental, training
-    from jaxdist.cluster_resolver import initialize
-    from jaxdist.context import (
-        ReplicaContext,
+if TYPE_CHECKING:  # the table below, spelled out for type checkers and IDEs
+    from jaxdist import (
+        checkpoint,
+        cluster_resolver,
+        data,
+        experimental,
+        training,
+    )
+    from jaxdist._reduce_op import (
+        ReduceOp,
+    )
+    from jaxdist._scope import (
         experimental_set_strategy,
-        get_replica_context,
         get_strategy,
         has_strategy,
         in_cross_replica_context,
     )
-    from jaxdist.input import (
+    from jaxdist.cluster_resolver.initialize import (
+        initialize,
+    )
+    from jaxdist.context import (
+        ReplicaContext,
+        get_replica_context,
+    )
+    from jaxdist.extended import (
+        StrategyExtended,
+    )
+    from jaxdist.input.dataset import (
         DistributedDataset,
         DistributedIterator,
+    )
+    from jaxdist.input.options import (
         InputContext,
         InputOptions,
         InputReplicationMode,
     )
-    from jaxdist.options import RunOptions
+    from jaxdist.options import (
+        RunOptions,
+    )
     from jaxdist.reduce import (
         CrossDeviceOps,
         HierarchicalCopyAllReduce,
         NcclAllReduce,
-        ReduceOp,
         ReductionToOneDevice,
     )
-    from jaxdist.strategies.central_storage import CentralStorageStrategy
-    from jaxdist.strategies.mirrored import MirroredStrategy
-    from jaxdist.strategies.multi_worker import MultiWorkerMirroredStrategy
-    from jaxdist.strategies.one_device import OneDeviceStrategy
-    from jaxdist.strategy import Strategy, StrategyExtended
-    from jaxdist.training import (
-        TrainState,
+    from jaxdist.strategies.central_storage import (
+        CentralStorageStrategy,
+    )
+    from jaxdist.strategies.mirrored import (
+        MirroredStrategy,
+    )
+    from jaxdist.strategies.multi_worker import (
+        MultiWorkerMirroredStrategy,
+    )
+    from jaxdist.strategies.one_device import (
+        OneDeviceStrategy,
+    )
+    from jaxdist.strategy import (
+        Strategy,
+    )
+    from jaxdist.training.accumulate import (
         accumulate_gradients,
+    )
+    from jaxdist.training.fit import (
+        fit,
+    )
+    from jaxdist.training.losses import (
         compute_average_loss,
         scale_regularization_loss,
+    )
+    from jaxdist.training.state import (
+        TrainState,
+    )
+    from jaxdist.training.step import (
         train_step,
     )
-    from jaxdist.training.fit import fit
-    from jaxdist.values import DistributedValues, Mirrored, PerReplica
-    from jaxdist.variables import Variable, VariableAggregation, VariableSynchronization
+    from jaxdist.values import (
+        DistributedValues,
+        Mirrored,
+        PerReplica,
+    )
+    from jaxdist.variables._meta import (
+        VariableAggregation,
+        VariableSynchronization,
+    )
+    from jaxdist.variables._variable import (
+        Variable,
+    )
 
 __version__ = "0.1.0"
 
-# Every public name, and the module that defines it.
-_HOMES: dict[str, str] = {
+# The public names, and the module that defines each.
+_PUBLIC: dict[str, str] = {
     "CentralStorageStrategy": "jaxdist.strategies.central_storage",
     "CrossDeviceOps": "jaxdist.reduce",
-    "DistributedDataset": "jaxdist.input",
-    "DistributedIterator": "jaxdist.input",
+    "DistributedDataset": "jaxdist.input.dataset",
+    "DistributedIterator": "jaxdist.input.dataset",
     "DistributedValues": "jaxdist.values",
     "HierarchicalCopyAllReduce": "jaxdist.reduce",
-    "InputContext": "jaxdist.input",
-    "InputOptions": "jaxdist.input",
-    "InputReplicationMode": "jaxdist.input",
+    "InputContext": "jaxdist.input.options",
+    "InputOptions": "jaxdist.input.options",
+    "InputReplicationMode": "jaxdist.input.options",
     "Mirrored": "jaxdist.values",
     "MirroredStrategy": "jaxdist.strategies.mirrored",
     "MultiWorkerMirroredStrategy": "jaxdist.strategies.multi_worker",
     "NcclAllReduce": "jaxdist.reduce",
     "OneDeviceStrategy": "jaxdist.strategies.one_device",
     "PerReplica": "jaxdist.values",
-    "ReduceOp": "jaxdist.reduce",
+    "ReduceOp": "jaxdist._reduce_op",
     "ReductionToOneDevice": "jaxdist.reduce",
     "ReplicaContext": "jaxdist.context",
     "RunOptions": "jaxdist.options",
     "Strategy": "jaxdist.strategy",
-    "StrategyExtended": "jaxdist.strategy",
-    "TrainState": "jaxdist.training",
-    "Variable": "jaxdist.variables",
-    "VariableAggregation": "jaxdist.variables",
-    "VariableSynchronization": "jaxdist.variables",
-    "accumulate_gradients": "jaxdist.training",
-    "compute_average_loss": "jaxdist.training",
-    "experimental_set_strategy": "jaxdist.context",
-    "fit": "jaxdist.training",
+    "StrategyExtended": "jaxdist.extended",
+    "TrainState": "jaxdist.training.state",
+    "Variable": "jaxdist.variables._variable",
+    "VariableAggregation": "jaxdist.variables._meta",
+    "VariableSynchronization": "jaxdist.variables._meta",
+    "accumulate_gradients": "jaxdist.training.accumulate",
+    "compute_average_loss": "jaxdist.training.losses",
+    "experimental_set_strategy": "jaxdist._scope",
+    "fit": "jaxdist.training.fit",
     "get_replica_context": "jaxdist.context",
-    "get_strategy": "jaxdist.context",
-    "has_strategy": "jaxdist.context",
-    "in_cross_replica_context": "jaxdist.context",
-    "initialize": "jaxdist.cluster_resolver",
-    "scale_regularization_loss": "jaxdist.training",
-    "train_step": "jaxdist.training",
+    "get_strategy": "jaxdist._scope",
+    "has_strategy": "jaxdist._scope",
+    "in_cross_replica_context": "jaxdist._scope",
+    "initialize": "jaxdist.cluster_resolver.initialize",
+    "scale_regularization_loss": "jaxdist.training.losses",
+    "train_step": "jaxdist.training.step",
 }
-_SUBMODULES = frozenset({"checkpoint", "cluster_resolver", "data", "experimental", "training"})
+# Public submodules.
+_SUBMODULES: tuple[str, ...] = (
+    "checkpoint",
+    "cluster_resolver",
+    "data",
+    "experimental",
+    "training",
+)
+
+__all__ = [*_PUBLIC, *_SUBMODULES]
 
 
 def __getattr__(name: str) -> Any:
     if name in _SUBMODULES:
         return importlib.import_module(f"jaxdist.{name}")
-    home = _HOMES.get(name)
+    home = _PUBLIC.get(name)
     if home is None:
         raise AttributeError(f"module 'jaxdist' has no attribute {name!r}")
     value = getattr(importlib.import_module(home), name)
@@ -112,48 +172,3 @@ def __getattr__(name: str) -> Any:
 
 def __dir__() -> list[str]:
     return sorted({*globals(), *__all__})
-
-
-__all__ = [
-    "CentralStorageStrategy",
-    "CrossDeviceOps",
-    "DistributedDataset",
-    "DistributedIterator",
-    "DistributedValues",
-    "HierarchicalCopyAllReduce",
-    "InputContext",
-    "InputOptions",
-    "InputReplicationMode",
-    "Mirrored",
-    "MirroredStrategy",
-    "MultiWorkerMirroredStrategy",
-    "NcclAllReduce",
-    "OneDeviceStrategy",
-    "PerReplica",
-    "ReduceOp",
-    "ReductionToOneDevice",
-    "ReplicaContext",
-    "RunOptions",
-    "Strategy",
-    "StrategyExtended",
-    "TrainState",
-    "Variable",
-    "VariableAggregation",
-    "VariableSynchronization",
-    "accumulate_gradients",
-    "compute_average_loss",
-    "checkpoint",
-    "cluster_resolver",
-    "data",
-    "experimental",
-    "experimental_set_strategy",
-    "fit",
-    "get_replica_context",
-    "get_strategy",
-    "has_strategy",
-    "in_cross_replica_context",
-    "initialize",
-    "scale_regularization_loss",
-    "train_step",
-    "training",
-]

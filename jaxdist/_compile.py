@@ -21,7 +21,7 @@ import dataclasses
 import functools
 import inspect
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import jax
 import numpy as np
@@ -30,13 +30,12 @@ from jax.sharding import PartitionSpec as P
 
 from jaxdist._invariance import analyze, assume_invariant
 from jaxdist._jax_compat import axis_names, eval_jaxpr, varies, varying_axes
-from jaxdist._replica_updates import register_mirror, varying_variable_error
-from jaxdist.context import ReplicaContext, replica_scope
+from jaxdist._protocols import StrategyLike
+from jaxdist._scope import replica_scope
+from jaxdist.context import ReplicaContext
 from jaxdist.values import DistributedValues, Mirrored, PerReplica
 from jaxdist.variables import Variable, is_distributed
-
-if TYPE_CHECKING:
-    from jaxdist.strategy import Strategy
+from jaxdist.variables._replica_updates import register_mirror, varying_variable_error
 
 
 class _Static:
@@ -85,11 +84,11 @@ _ARRAY_TYPES = (jax.Array, np.ndarray, np.generic, bool, int, float, complex)
 _PER_REPLICA, _BROADCAST, _ON_READ, _ON_WRITE = range(4)
 
 
-def describe_bad_leaf(strategy: Strategy, args: Any, kwargs: Any) -> TypeError | None:
-    """Finds the first argument leaf that is not an array (for a readable TypeError)."""
-    for path, leaf in jax.tree_util.tree_flatten_with_path((args, kwargs), is_leaf=is_distributed)[
-        0
-    ]:
+def describe_bad_leaf(strategy: StrategyLike, args: Any, kwargs: Any) -> TypeError | None:
+    """Every argument leaf that is not an array of numbers, in one readable TypeError."""
+    flat = jax.tree_util.tree_flatten_with_path((args, kwargs), is_leaf=is_distributed)[0]
+    found = []
+    for path, leaf in flat:
         bad = not isinstance(leaf, (*_ARRAY_TYPES, DistributedValues, Variable))
         if not bad and isinstance(leaf, (np.ndarray, np.generic)):
             bad = leaf.dtype.kind in "USOV"  # strings, objects, raw bytes
@@ -99,16 +98,19 @@ def describe_bad_leaf(strategy: Strategy, args: Any, kwargs: Any) -> TypeError |
                 if isinstance(leaf, (np.ndarray, np.generic))
                 else f"a {type(leaf).__name__} ({leaf!r:.60})"
             )
-            return TypeError(
-                f"{type(strategy).__name__}.run: {path_str(path)} is {what}, not an array of "
-                "numbers. Arguments of run must be pytrees of numeric arrays or Python numbers. "
-                "Close over other objects (or bind them with functools.partial outside the "
-                "training loop, so the function keeps its identity)."
-            )
-    return None
+            found.append(f"{path_str(path)} is {what}")
+    if not found:
+        return None
+    return TypeError(
+        f"{type(strategy).__name__}.run: {'; '.join(found)}, not "
+        f"{'an array' if len(found) == 1 else 'arrays'} of numbers. Arguments of run must be "
+        "pytrees of numeric arrays or Python numbers. Close over other objects (or bind them "
+        "with functools.partial outside the training loop, so the function keeps its "
+        "identity)."
+    )
 
 
-def _replica_axis_error(strategy: Strategy, path: Any, what: str, shape: Any) -> ValueError:
+def _replica_axis_error(strategy: StrategyLike, path: Any, what: str, shape: Any) -> ValueError:
     n = strategy.num_replicas_in_sync
     return ValueError(
         f"{type(strategy).__name__}.run: {path_str(path)} is {what} of shape {tuple(shape)}, "
@@ -119,7 +121,7 @@ def _replica_axis_error(strategy: Strategy, path: Any, what: str, shape: Any) ->
     )
 
 
-def _foreign_variable_error(strategy: Strategy, path: Any, var: Variable) -> ValueError:
+def _foreign_variable_error(strategy: StrategyLike, path: Any, var: Variable) -> ValueError:
     return ValueError(
         f"{type(strategy).__name__}.run: {path_str(path)} is variable {var.name!r}, created in "
         f"the scope of {var.strategy!r}, but it is being run by {strategy!r}. A variable is "
@@ -140,7 +142,9 @@ class _Inputs:
     batch_leaves: list[tuple[int, int]]  # (input position, valid group) of padded leaves
 
 
-def _flatten_inputs(strategy: Strategy, args: tuple[Any, ...], kwargs: dict[str, Any]) -> _Inputs:
+def _flatten_inputs(
+    strategy: StrategyLike, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> _Inputs:
     n = strategy.num_replicas_in_sync
     axis = strategy.axis_name
     with_path, treedef = jax.tree_util.tree_flatten_with_path(
@@ -239,7 +243,9 @@ class _Trace:
     makers: list[Any] = dataclasses.field(default_factory=list)
 
 
-def _check_signature(strategy: Strategy, fn: Callable[..., Any], args: Any, kwargs: Any) -> None:
+def _check_signature(
+    strategy: StrategyLike, fn: Callable[..., Any], args: Any, kwargs: Any
+) -> None:
     """Explains a replica function that does not take the context first."""
     try:
         sig = inspect.signature(fn)
@@ -267,7 +273,9 @@ def _check_signature(strategy: Strategy, fn: Callable[..., Any], args: Any, kwar
         ) from None
 
 
-def _call(strategy: Strategy, fn: Callable[..., Any], ctx: ReplicaContext, a: Any, k: Any) -> Any:
+def _call(
+    strategy: StrategyLike, fn: Callable[..., Any], ctx: ReplicaContext, a: Any, k: Any
+) -> Any:
     try:
         return fn(ctx, *a, **k)
     except jax.errors.ConcretizationTypeError as e:
@@ -283,7 +291,7 @@ def _call(strategy: Strategy, fn: Callable[..., Any], ctx: ReplicaContext, a: An
         raise
 
 
-def _out_leaf(leaf: Any, trace: _Trace, strategy: Strategy) -> Any:
+def _out_leaf(leaf: Any, trace: _Trace, strategy: StrategyLike) -> Any:
     """The array to hand out for one output leaf (None for a static leaf)."""
     if isinstance(leaf, Variable):
         if leaf.is_on_read:
@@ -312,7 +320,7 @@ def _is_out_leaf(x: Any) -> bool:
 
 def replicated(
     fn: Callable[..., Any],
-    strategy: Strategy,
+    strategy: StrategyLike,
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
     *,
@@ -378,7 +386,7 @@ def _identity(x: Any) -> Any:
 
 
 def _finish(
-    strategy: Strategy,
+    strategy: StrategyLike,
     x: Any,
     info: Any,
     kind: tuple[int, Any],

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxdist._jax_compat import is_tracer
-from jaxdist.reduce import ReduceOp, ordered_extremum
+from jaxdist._reduce_op import ReduceOp, ordered_extremum
 from jaxdist.values import Mirrored, PerReplica
 
 

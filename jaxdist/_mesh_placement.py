@@ -3,26 +3,23 @@ central storage's variables between the parameter device and the compute devices
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import jax
 from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
 from jaxdist._jax_compat import is_tracer
+from jaxdist._protocols import StrategyLike
 from jaxdist.values import Mirrored, PerReplica
 from jaxdist.variables import Variable, is_distributed
 
-if TYPE_CHECKING:
-    from jaxdist.strategy import Strategy
 
-
-def onto_mesh(strategy: Strategy, tree: Any) -> Any:
+def onto_mesh(strategy: StrategyLike, tree: Any) -> Any:
     """Re-places committed arrays of ``tree`` that live outside ``strategy``'s mesh."""
     mesh = strategy.mesh
     devices = set(mesh.devices.flat)
-    replicated = NamedSharding(mesh, P())
-    per_replica = NamedSharding(mesh, P(strategy.axis_name))
+    replicated = strategy.replicated_sharding
+    per_replica = strategy.per_replica_sharding
 
     def place(x: Any, sharding: NamedSharding) -> Any:
         if isinstance(x, jax.Array) and not is_tracer(x) and x.sharding.device_set != devices:

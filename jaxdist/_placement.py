@@ -16,6 +16,7 @@ from jaxdist import _dispatch
 from jaxdist._jax_compat import is_tracer
 from jaxdist.devices import resolve_device
 from jaxdist.values import DistributedValues, Mirrored, PerReplica
+from jaxdist.variables import Variable, is_distributed
 
 # Destinations -----------------------------------------------------------------------
 
@@ -36,8 +37,6 @@ def destination_sharding(destinations: Any, *, where: str, default: Any = None) 
     Returns ``default`` for traced destinations (inside a ``merge_fn``), whose
     devices are those of the running strategy.
     """
-    from jaxdist.variables import Variable
-
     arg = f"{where}(destinations=...)"
     if destinations is None:
         if default is None:
@@ -149,7 +148,6 @@ def check_pairs(value_destination_pairs: Any, where: str) -> list[tuple[Any, Any
 
 def broadcast_to(where: str, tensor: Any, target: Any) -> Any:
     """Places every leaf of ``tensor`` on ``target`` (private; see `CrossDeviceOps.broadcast`)."""
-    from jaxdist.variables import Variable, is_distributed
 
     def one(path: Any, x: Any) -> Any:
         if isinstance(x, PerReplica):

@@ -23,17 +23,15 @@ import types
 import warnings
 import weakref
 from collections.abc import Callable, Hashable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import jax
 
 from jaxdist._compile import replicated
+from jaxdist._protocols import StrategyLike
 from jaxdist.options import RunOptions
 from jaxdist.values import PerReplica
 from jaxdist.values import _unflatten_per_replica as _per_replica
-
-if TYPE_CHECKING:
-    from jaxdist.strategy import Strategy
 
 __all__ = ["Program", "get_program_cache_size", "program_for", "set_program_cache_size"]
 
@@ -49,7 +47,7 @@ class Program:
     def __init__(
         self,
         fn_ref: Callable[[], Callable[..., Any] | None],
-        strategy: Strategy,
+        strategy: StrategyLike,
         options: RunOptions | None,
         plain: bool,
     ) -> None:
@@ -220,7 +218,7 @@ def _code_of(fn: Any) -> Any:
     return getattr(fn, "__code__", None)
 
 
-def _note_new_program(fn: Callable[..., Any], strategy: Strategy) -> None:
+def _note_new_program(fn: Callable[..., Any], strategy: StrategyLike) -> None:
     code = _code_of(fn)
     if code is None:
         return
@@ -244,7 +242,7 @@ def _note_new_program(fn: Callable[..., Any], strategy: Strategy) -> None:
 
 def program_for(
     fn: Callable[..., Any],
-    strategy: Strategy,
+    strategy: StrategyLike,
     options: RunOptions | None,
     *,
     plain: bool = False,

@@ -5,18 +5,16 @@ nested where it cannot run."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import jax
 import numpy as np
 
-from jaxdist._variable_dtypes import numeric
-from jaxdist.reduce import ReduceOp
+from jaxdist._dtypes import numeric
+from jaxdist._protocols import StrategyLike
+from jaxdist._reduce_op import ReduceOp
 from jaxdist.values import DistributedValues, PerReplica
 from jaxdist.variables import is_distributed
-
-if TYPE_CHECKING:
-    from jaxdist.strategy import Strategy
 
 
 def check_mesh(
@@ -64,17 +62,22 @@ def check_mesh(
     return shape, names
 
 
-def check_numeric(strategy: Strategy, where: str, value: Any, root: str = "value") -> None:
-    """Cross-replica values must be numeric arrays: name the first leaf that is not."""
+def check_numeric(strategy: StrategyLike, where: str, value: Any, root: str = "value") -> None:
+    """Cross-replica values must be numeric arrays: name every leaf that is not."""
+    found = []
     for path, leaf in jax.tree_util.tree_flatten_with_path(value, is_leaf=is_distributed)[0]:
         arr = leaf.array if isinstance(leaf, DistributedValues) else leaf
         if isinstance(arr, (np.ndarray, np.generic)) and not numeric(arr.dtype):
-            raise TypeError(
-                f"{where}: {root}{jax.tree_util.keystr(path)} is an array of dtype {arr.dtype} "
-                f"(shape {arr.shape}); only numeric and bool arrays live on the devices of "
-                f"mesh {dict(strategy.mesh.shape)}. Encode it as numbers, or keep it out of "
-                "the value."
+            found.append(
+                f"{root}{jax.tree_util.keystr(path)} is an array of dtype {arr.dtype} "
+                f"(shape {arr.shape})"
             )
+    if found:
+        raise TypeError(
+            f"{where}: {'; '.join(found)}; only numeric and bool arrays live on the devices of "
+            f"mesh {dict(strategy.mesh.shape)}. Encode them as numbers, or keep them out of "
+            "the value."
+        )
 
 
 def check_not_empty(where: str, op: ReduceOp, leaves: Sequence[Any], axis: int | None) -> None:
@@ -111,7 +114,7 @@ def nested_run_error(name: str, merging: bool) -> RuntimeError:
     )
 
 
-def check_counts(strategy: Strategy, where: str, leaves: Sequence[Any]) -> None:
+def check_counts(strategy: StrategyLike, where: str, leaves: Sequence[Any]) -> None:
     """Every `PerReplica` leaf must have one row per replica of ``strategy``."""
     n = strategy.num_replicas_in_sync
     for x in leaves:

@@ -61,7 +61,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxdist._variable_dtypes import lossy_cast, numeric
+from jaxdist._dtypes import lossy_cast, numeric
 from jaxdist.values import DistributedValues, Mirrored, PerReplica
 from jaxdist.variables import Variable
 

@@ -6,7 +6,7 @@ record of the same name: ``bytes_per_pack``, ``timeout_seconds`` and
 plainly that it does not:
 
 - ``implementation`` picks the *collective structure* jaxdist emits
-  (`cross_device_ops_for`): ``AUTO`` and ``NCCL`` one all-reduce per buffer
+  (`jaxdist.reduce.cross_device_ops_for`): ``AUTO`` and ``NCCL`` one all-reduce per buffer
   (`NcclAllReduce`); ``RING`` a reduce-scatter followed by an all-gather
   (`HierarchicalCopyAllReduce`, which over a ``("host", "local")`` replica
   axis reduces inside each process before crossing processes). XLA, not
@@ -37,16 +37,12 @@ import math
 import numbers
 import warnings
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from jaxdist.reduce import CrossDeviceOps
+from typing import Any
 
 __all__ = [
     "CollectiveHints",
     "CommunicationImplementation",
     "CommunicationOptions",
-    "cross_device_ops_for",
 ]
 
 
@@ -136,7 +132,7 @@ class CommunicationOptions:
             caught by `jax.distributed`'s heartbeat in any case
             (``jaxdist.initialize(heartbeat_timeout_seconds=)``).
         implementation: a `CommunicationImplementation` (or its name): the
-            collective structure, see `cross_device_ops_for`.
+            collective structure, see `jaxdist.reduce.cross_device_ops_for`.
 
     Example:
         >>> import jaxdist as jd
@@ -273,42 +269,3 @@ def group_by_size(sizes: Sequence[int], bytes_per_pack: int) -> list[list[int]]:
         packs[-1].append(i)
         filled += size
     return packs
-
-
-def cross_device_ops_for(
-    options: CommunicationOptions | None, axis_name: str | Sequence[str]
-) -> CrossDeviceOps:
-    """The `CrossDeviceOps` a multi-worker strategy uses for ``options``.
-
-    ``AUTO`` and ``NCCL`` give `NcclAllReduce` (one all-reduce over every
-    replica axis); ``RING`` gives `HierarchicalCopyAllReduce` (reduce-scatter,
-    then all-gather; over a tuple of axes such as ``("host", "local")`` it
-    reduces within each process first). The options travel with the ops, so
-    their ``bytes_per_pack`` applies to every all-reduce. What this chooses is
-    the collective structure; XLA picks the wire algorithm.
-
-    Args:
-        options: the strategy's `CommunicationOptions` (``None``: defaults).
-        axis_name: the replica axis the ops will reduce over (a mesh axis name,
-            or a tuple of them, outermost first); checked here.
-
-    Returns:
-        A `CrossDeviceOps` carrying ``options``.
-
-    Example:
-        >>> import jaxdist as jd
-        >>> from jaxdist.communication import cross_device_ops_for
-        >>> opts = jd.experimental.CommunicationOptions(implementation="ring")
-        >>> type(cross_device_ops_for(opts, ("host", "local"))).__name__
-        'HierarchicalCopyAllReduce'
-    """
-    from jaxdist.reduce import HierarchicalCopyAllReduce, NcclAllReduce, replica_axes
-
-    where = "cross_device_ops_for"
-    replica_axes(axis_name, where=where)
-    opts = resolve_options(options, where)
-    if opts is None:
-        opts = CommunicationOptions()
-    if opts.implementation is CommunicationImplementation.RING:
-        return HierarchicalCopyAllReduce(options=opts)
-    return NcclAllReduce(options=opts)

@@ -1,150 +1,30 @@
-"""The replica context, and tf.distribute's compatibility shims over one `ContextVar`.
+"""The replica context a replicated function receives as its first argument.
 
-A replicated function receives its `ReplicaContext` as its first argument:
-every collective it offers lowers to a `jax.lax` collective over the
-strategy's mesh axis. The shims (`get_strategy`, `get_replica_context`, ...)
-read a single immutable `_State` held in a `contextvars.ContextVar`; there is
-no other global state.
+Every collective it offers lowers to a `jax.lax` collective over the strategy's
+mesh axis. The scope state and the shims over it (`get_strategy`, ...) live in
+`jaxdist._scope`; `get_replica_context` lives here because outside every
+strategy it returns the default strategy's (one replica) context.
 """
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import dataclasses
-import threading
-import warnings
-from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
 from jaxdist._jax_compat import all_gather_invariant, is_tracer, varies
-from jaxdist.reduce import ReduceOp
+from jaxdist._protocols import StrategyLike
+from jaxdist._reduce_op import ReduceOp
+from jaxdist._scope import _STATE, _default_strategy, _entered
 from jaxdist.values import DistributedValues, Mirrored, PerReplica
+from jaxdist.variables import Variable
+from jaxdist.variables._replica_updates import mirror_of, register_mirror, replica_update
 
-if TYPE_CHECKING:
-    from jaxdist.strategy import Strategy
-
-__all__ = [
-    "ReplicaContext",
-    "experimental_set_strategy",
-    "get_replica_context",
-    "get_strategy",
-    "has_strategy",
-    "in_cross_replica_context",
-]
-
-
-@dataclasses.dataclass(frozen=True)
-class _State:
-    strategy: Strategy | None = None
-    replica: ReplicaContext | None = None
-    merging: bool = False
-    scope_depth: int = 0
-
-
-_STATE: contextvars.ContextVar[_State] = contextvars.ContextVar("jaxdist_state", default=_State())  # noqa: B039 (frozen)
-
-
-def current_state() -> _State:
-    """The calling context's state (private)."""
-    return _STATE.get()
-
-
-@contextlib.contextmanager
-def _entered(state: _State) -> Iterator[None]:
-    token = _STATE.set(state)
-    try:
-        yield
-    finally:
-        _STATE.reset(token)
-
-
-def _mixing_error(where: str, current: Strategy, new: Strategy) -> RuntimeError:
-    return RuntimeError(
-        f"{where}: mixing different strategies is not allowed: {current!r} is already in "
-        f"effect and {new!r} was asked for. Leave the first strategy's scope (or call "
-        "jaxdist.experimental_set_strategy(None)) before using the second."
-    )
-
-
-@contextlib.contextmanager
-def strategy_scope(strategy: Strategy) -> Iterator[Strategy]:
-    """Implements `Strategy.scope()` (private; use the method)."""
-    state = _STATE.get()
-    if state.strategy is not None and state.strategy != strategy:
-        raise _mixing_error(f"{type(strategy).__name__}.scope()", state.strategy, strategy)
-    me = threading.get_ident()
-    with _scopes_lock:
-        _SCOPES_BY_THREAD.setdefault(me, []).append(strategy)
-    try:
-        with _entered(
-            dataclasses.replace(state, strategy=strategy, scope_depth=state.scope_depth + 1)
-        ):
-            yield strategy
-    finally:
-        with _scopes_lock:
-            stack = _SCOPES_BY_THREAD[me]
-            stack.pop()
-            if not stack:
-                del _SCOPES_BY_THREAD[me]
-
-
-# Threads currently inside a strategy scope (a scope does not reach threads started
-# inside it: contextvars are per thread). Used only to explain that.
-_SCOPES_BY_THREAD: dict[int, list[Strategy]] = {}
-_scopes_lock = threading.Lock()
-# Set in a thread once it was warned (a thread-local, not a set of thread idents: the
-# runtime gives the ident of a finished thread to a new one).
-_warned = threading.local()
-
-
-def _warn_if_scoped_elsewhere() -> None:
-    if getattr(_warned, "done", False):
-        return
-    me = threading.get_ident()
-    with _scopes_lock:
-        others = [(t, st[-1]) for t, st in _SCOPES_BY_THREAD.items() if t != me]
-    if not others:
-        return
-    _warned.done = True
-    names = {t.ident: t.name for t in threading.enumerate()}
-    where = ", ".join(f"{s!r} in thread {names.get(t, t)!r}" for t, s in others)
-    warnings.warn(
-        f"jaxdist: thread {threading.current_thread().name!r} is in no strategy scope, so it "
-        f"uses the default strategy (one device), while a scope is active elsewhere: {where}. "
-        "A strategy scope does not carry over to threads started inside it (contextvars are "
-        "per thread). Enter `with strategy.scope():` inside the thread, or start it with "
-        "contextvars.copy_context().run(...).",
-        RuntimeWarning,
-        stacklevel=3,
-    )
-
-
-@contextlib.contextmanager
-def replica_scope(ctx: ReplicaContext) -> Iterator[None]:
-    """Marks the tracing of a replica function (private)."""
-    state = _STATE.get()
-    if state.strategy is not None and state.strategy != ctx.strategy and state.replica is None:
-        raise _mixing_error(f"{type(ctx.strategy).__name__}.run", state.strategy, ctx.strategy)
-    with _entered(dataclasses.replace(state, strategy=ctx.strategy, replica=ctx, merging=False)):
-        yield
-
-
-def check_cross_replica(strategy: Strategy, method: str) -> None:
-    """Raises `RuntimeError` when a cross-replica method is called from replica context."""
-    state = _STATE.get()
-    if state.replica is not None and not state.merging:
-        name = type(strategy).__name__
-        raise RuntimeError(
-            f"{name}.{method} was called inside a replica function, where only the replica "
-            f"context's collectives apply. Inside the function use ctx.all_reduce / "
-            f"ctx.all_gather, or call {name}.{method} on the function's outputs after run "
-            "returns (or from a merge_fn given to ctx.merge_call)."
-        )
+__all__ = ["ReplicaContext", "get_replica_context"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -160,7 +40,7 @@ class ReplicaContext:
         strategy: the strategy running the function.
     """
 
-    strategy: Strategy
+    strategy: StrategyLike
     _bound: bool = True
     # id(per-replica view) -> (view, invariant value) of ON_WRITE variable inputs;
     # filled while the replica function is traced (see jaxdist._replica_updates).
@@ -408,20 +288,14 @@ class ReplicaContext:
         takes replica 0's, ``NONE`` requires a value identical on every replica),
         so the variable stays mirrored. ``ON_READ``: this replica's copy only.
         """
-        from jaxdist._replica_updates import replica_update
-
         return replica_update(self, variable, "assign", value)
 
     def assign_add(self, variable: Any, delta: Any) -> Any:
         """Returns ``variable + delta``, with ``delta`` aggregated as in `assign`."""
-        from jaxdist._replica_updates import replica_update
-
         return replica_update(self, variable, "assign_add", delta)
 
     def assign_sub(self, variable: Any, delta: Any) -> Any:
         """Returns ``variable - delta``, with ``delta`` aggregated as in `assign`."""
-        from jaxdist._replica_updates import replica_update
-
         return replica_update(self, variable, "assign_sub", delta)
 
     # merge_call ------------------------------------------------------------------
@@ -476,8 +350,6 @@ class ReplicaContext:
     def _variable_for_merge(self, var: Any) -> Any:
         """A variable as ``merge_fn`` sees it: the cross-replica variable (TF's
         ``MirroredVariable``), mirrored value or every replica's copy."""
-        from jaxdist._replica_updates import mirror_of
-
         meta = var._meta
         if not meta.local:
             return var
@@ -500,8 +372,6 @@ class ReplicaContext:
 
     def _variable_from_merge(self, var: Any) -> Any:
         """A variable ``merge_fn`` returned, as each replica sees it again."""
-        from jaxdist._replica_updates import register_mirror
-
         meta = var._meta
         if meta.local:
             return var
@@ -515,42 +385,7 @@ class ReplicaContext:
 
 
 def _is_variable(x: Any) -> bool:
-    from jaxdist.variables import Variable
-
     return isinstance(x, Variable)
-
-
-# Compatibility shims -----------------------------------------------------------
-
-
-def _default_strategy() -> Strategy:
-    from jaxdist.strategies.default import default_strategy
-
-    return default_strategy()
-
-
-def get_strategy() -> Strategy:
-    """The strategy in effect: the innermost scope's, else the default strategy."""
-    state = _STATE.get()
-    if state.strategy is not None:
-        return state.strategy
-    if _SCOPES_BY_THREAD:
-        _warn_if_scoped_elsewhere()
-    return _default_strategy()
-
-
-def has_strategy() -> bool:
-    """True inside a (non-default) strategy's scope or replica function."""
-    from jaxdist.strategies.default import DefaultStrategy
-
-    state = _STATE.get()
-    return state.strategy is not None and not isinstance(state.strategy, DefaultStrategy)
-
-
-def in_cross_replica_context() -> bool:
-    """True inside a strategy's scope but outside its replica functions (or in a merge_fn)."""
-    state = _STATE.get()
-    return state.strategy is not None and (state.replica is None or state.merging)
 
 
 def get_replica_context() -> ReplicaContext | None:
@@ -558,23 +393,7 @@ def get_replica_context() -> ReplicaContext | None:
     context; outside any strategy, the default strategy's (one replica) context."""
     state = _STATE.get()
     if state.replica is not None and not state.merging:
-        return state.replica
+        return state.replica  # type: ignore[return-value]  # always a ReplicaContext
     if state.strategy is None:
         return ReplicaContext(_default_strategy(), _bound=False)
     return None
-
-
-def experimental_set_strategy(strategy: Strategy | None) -> None:
-    """Sets (or, with ``None``, clears) the strategy of the current context, outside any scope.
-
-    Raises:
-        RuntimeError: inside a ``strategy.scope()`` or a replica function.
-    """
-    state = _STATE.get()
-    if state.scope_depth > 0 or state.replica is not None:
-        raise RuntimeError(
-            "jaxdist.experimental_set_strategy must be called outside any strategy scope and "
-            f"replica function; {state.strategy!r} is in effect. Leave the `with "
-            "strategy.scope():` block first."
-        )
-    _STATE.set(_State(strategy=strategy))

@@ -11,7 +11,7 @@ copy of a variable, as TF's does, with a view of the copy that has
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -21,12 +21,11 @@ from jax.sharding import PartitionSpec as P
 
 from jaxdist._jax_compat import is_tracer
 from jaxdist._placement import broadcast_to, check_pairs, destination_sharding, place
+from jaxdist._protocols import StrategyLike
+from jaxdist._reduce_op import ReduceOp
+from jaxdist._scope import check_cross_replica
 from jaxdist._strategy_checks import check_counts
-from jaxdist._variable_meta import colocate_with
-from jaxdist._variable_ops import ReadsLikeAnArray
 from jaxdist.communication import CommunicationOptions, resolve_options
-from jaxdist.context import check_cross_replica
-from jaxdist.reduce import ReduceOp
 from jaxdist.values import Mirrored, PerReplica
 from jaxdist.variables import (
     Variable,
@@ -34,9 +33,8 @@ from jaxdist.variables import (
     as_distributed,
     is_distributed,
 )
-
-if TYPE_CHECKING:
-    from jaxdist.strategy import Strategy
+from jaxdist.variables._meta import colocate_with
+from jaxdist.variables._ops import ReadsLikeAnArray
 
 __all__ = ["StrategyExtended"]
 
@@ -237,7 +235,7 @@ class StrategyExtended:
 
     __slots__ = ("_strategy",)
 
-    def __init__(self, strategy: Strategy) -> None:
+    def __init__(self, strategy: StrategyLike) -> None:
         self._strategy = strategy
 
     def __eq__(self, other: object) -> bool:
@@ -401,7 +399,7 @@ class StrategyExtended:
     # Reductions -----------------------------------------------------------------------
 
     def _default_sharding(self) -> NamedSharding:
-        return NamedSharding(self._strategy.mesh, P())
+        return self._strategy.replicated_sharding
 
     def _reduce_pairs(
         self,

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import abc
 import dataclasses
-import enum
 import functools
 import operator
 from collections.abc import Callable, Sequence
@@ -36,6 +35,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxdist import _dispatch
+from jaxdist._cross_replica import reduce_distributed, reduce_leaf
 from jaxdist._jax_compat import all_gather_invariant, is_tracer
 from jaxdist._placement import (
     _device_count,
@@ -47,9 +47,21 @@ from jaxdist._placement import (
     destination_sharding,
     place,
 )
-from jaxdist.communication import CommunicationOptions, group_by_size, resolve_options
+from jaxdist._reduce_op import (
+    ReduceOp,
+    check_bound,
+    nan_propagating_extremum,
+    replica_axes,
+)
+from jaxdist.communication import (
+    CommunicationImplementation,
+    CommunicationOptions,
+    group_by_size,
+    resolve_options,
+)
 from jaxdist.devices import resolve_device
 from jaxdist.values import DistributedValues, Mirrored, PerReplica
+from jaxdist.variables import as_distributed, is_distributed
 
 __all__ = [
     "CrossDeviceOps",
@@ -58,116 +70,6 @@ __all__ = [
     "ReduceOp",
     "ReductionToOneDevice",
 ]
-
-
-class ReduceOp(enum.Enum):
-    """How values from several replicas combine into one.
-
-    ``SUM`` and ``MEAN`` are tf.distribute's; ``MAX`` and ``MIN`` are the other
-    reductions XLA offers (NaN on any replica gives NaN, as ``np.max``).
-    Anywhere an op is taken, a string such as ``"mean"`` (any case) is
-    accepted too.
-
-    Example:
-        >>> import jaxdist as jd
-        >>> jd.ReduceOp.from_any("Mean") is jd.ReduceOp.MEAN
-        True
-    """
-
-    SUM = "SUM"
-    MEAN = "MEAN"
-    MAX = "MAX"
-    MIN = "MIN"
-
-    @classmethod
-    def from_any(cls, op: ReduceOp | str, *, where: str = "jaxdist") -> ReduceOp:
-        """Returns ``op`` as a `ReduceOp`; raises ``ValueError`` for anything else."""
-        if isinstance(op, ReduceOp):
-            return op
-        if isinstance(op, str):
-            try:
-                return cls[op.strip().upper()]
-            except KeyError:
-                pass
-        raise ValueError(
-            f"{where}: unknown reduce op {op!r}. Use one of jaxdist.ReduceOp.SUM, MEAN, "
-            "MAX, MIN or their names as strings (case-insensitive), e.g. 'sum'."
-        )
-
-
-def replica_axes(axis_name: Any, *, where: str) -> tuple[str, ...]:
-    """``axis_name`` (a mesh axis name or a tuple of them) as a tuple of names (private)."""
-    if isinstance(axis_name, str) and axis_name:
-        return (axis_name,)
-    if (
-        isinstance(axis_name, (tuple, list))
-        and axis_name
-        and all(isinstance(a, str) and a for a in axis_name)
-        and len(set(axis_name)) == len(axis_name)
-    ):
-        return tuple(axis_name)
-    raise TypeError(
-        f"{where}: axis_name must be a mesh axis name or a non-empty tuple of distinct names, "
-        f"outermost first (e.g. 'replica' or ('host', 'local')), got {axis_name!r}. Pass the "
-        "strategy's axis: strategy.axis_name."
-    )
-
-
-def _check_bound(axes: tuple[str, ...], where: str) -> None:
-    for a in axes:
-        try:
-            lax.axis_size(a)
-        except NameError:
-            raise NameError(
-                f"{where}: mesh axis {a!r} (of axis_name {axes if len(axes) > 1 else a!r}) is "
-                "not bound here. Call all_reduce inside strategy.run (ctx.all_reduce) or inside "
-                "jax.shard_map over a mesh with that axis; in cross-replica context use "
-                "reduce / batch_reduce."
-            ) from None
-
-
-# MAX/MIN that propagate NaN ---------------------------------------------------------
-
-_INT_OF_WIDTH = {1: jnp.int8, 2: jnp.int16, 4: jnp.int32, 8: jnp.int64}
-
-
-def _order_key(bits: jax.Array, top: int) -> jax.Array:
-    """Float bits (as signed ints) -> ints in the same order as the floats; an involution."""
-    return jnp.where(bits < 0, bits ^ top, bits)
-
-
-def ordered_extremum(
-    op: ReduceOp, x: jax.Array, reduce_keys: Callable[[jax.Array], jax.Array]
-) -> jax.Array:
-    """The MAX or MIN of ``x`` computed by ``reduce_keys``, with NaN winning (private).
-
-    ``reduce_keys`` is the integer reduction to apply (``lax.pmax`` over mesh
-    axes, or ``jnp.max`` along array axes of a sharded global array). XLA's CPU
-    all-reduce drops NaN from float max/min (checked with jax 0.10.2: a NaN on
-    one of 8 replicas came back as the max of the others), and so does the
-    all-reduce XLA's partitioner emits for ``jnp.max`` across devices. So
-    floats are reduced as integers of the same width whose order is the float
-    order (negative floats have their magnitude bits flipped), with NaN mapped
-    to the largest integer for MAX (smallest for MIN): the same bytes cross the
-    wire as for the float reduction, and mapping back is a few elementwise ops.
-    A second reduction of an ``isnan`` flag would double the collectives.
-    Non-float dtypes are reduced as they are.
-    """
-    if not jnp.issubdtype(x.dtype, jnp.floating):
-        return reduce_keys(x)
-    itype = _INT_OF_WIDTH[x.dtype.itemsize]
-    info = jnp.iinfo(itype)
-    key = _order_key(lax.bitcast_convert_type(x, itype), int(info.max))
-    nan_key = int(info.max) if op is ReduceOp.MAX else int(info.min)
-    key = jnp.where(jnp.isnan(x), jnp.asarray(nan_key, itype), key)
-    out = lax.bitcast_convert_type(_order_key(reduce_keys(key), int(info.max)), x.dtype)
-    return jnp.where(jnp.isnan(out), jnp.asarray(jnp.nan, x.dtype), out)
-
-
-def _nan_propagating_extremum(op: ReduceOp, x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
-    """``lax.pmax``/``pmin`` over mesh ``axes`` that return NaN where any replica has NaN."""
-    combine = lax.pmax if op is ReduceOp.MAX else lax.pmin
-    return ordered_extremum(op, x, lambda k: combine(k, axes))
 
 
 # Cross-device ops -------------------------------------------------------------------
@@ -232,7 +134,7 @@ class CrossDeviceOps(abc.ABC):
         with_paths, treedef = jax.tree_util.tree_flatten_with_path(value)
         if not with_paths:
             return value
-        _check_bound(axes, where)
+        check_bound(axes, where)
         leaves = [jnp.asarray(x) for _, x in with_paths]
         if op in (ReduceOp.MAX, ReduceOp.MIN):
             for (path, _), x in zip(with_paths, leaves, strict=True):
@@ -256,7 +158,7 @@ class CrossDeviceOps(abc.ABC):
         return total / lax.axis_size(axes) if op is ReduceOp.MEAN else total
 
     def _extremum(self, op: ReduceOp, x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
-        return _nan_propagating_extremum(op, x, axes)
+        return nan_propagating_extremum(op, x, axes)
 
     def _packed(
         self, op: ReduceOp, leaves: list[jax.Array], axes: tuple[str, ...], bytes_per_pack: int
@@ -374,8 +276,6 @@ class CrossDeviceOps(abc.ABC):
         ops directly, where a plain value is one replica's and a `Mirrored` has
         one copy per device); ``default`` the strategy's replicated sharding.
         """
-        from jaxdist.variables import as_distributed, is_distributed
-
         leaves: list[Any] = []
         targets: list[Any] = []
         structure = []
@@ -403,8 +303,6 @@ class CrossDeviceOps(abc.ABC):
     ) -> list[Any]:
         """Every distributed leaf reduced in one XLA program over the sharded global arrays
         (XLA's partitioner emits the collectives)."""
-        from jaxdist._cross_replica import reduce_distributed, reduce_leaf
-
         n = num_replicas if num_replicas is not None else _replica_count(where, leaves)
         spread = [x for x in leaves if isinstance(x, DistributedValues)]
         done = iter(reduce_distributed(spread, where, op, None, n) if spread else [])
@@ -585,8 +483,6 @@ class ReductionToOneDevice(CrossDeviceOps):
             rows = [to_device(x.array)] * copies
         else:
             if num_replicas is not None and num_replicas > 1 and op is ReduceOp.SUM:
-                from jaxdist._cross_replica import reduce_leaf
-
                 return to_device(reduce_leaf(where, op, x, None, num_replicas))
             return to_device(jnp.asarray(x))  # the same on every replica: its own reduction
         if op in (ReduceOp.MAX, ReduceOp.MIN):
@@ -594,3 +490,40 @@ class ReductionToOneDevice(CrossDeviceOps):
             return jnp.max(stacked, axis=0) if op is ReduceOp.MAX else jnp.min(stacked, axis=0)
         total = self._accumulate(rows)
         return total / len(rows) if op is ReduceOp.MEAN else total
+
+
+def cross_device_ops_for(
+    options: CommunicationOptions | None, axis_name: str | Sequence[str]
+) -> CrossDeviceOps:
+    """The `CrossDeviceOps` a multi-worker strategy uses for ``options``.
+
+    ``AUTO`` and ``NCCL`` give `NcclAllReduce` (one all-reduce over every
+    replica axis); ``RING`` gives `HierarchicalCopyAllReduce` (reduce-scatter,
+    then all-gather; over a tuple of axes such as ``("host", "local")`` it
+    reduces within each process first). The options travel with the ops, so
+    their ``bytes_per_pack`` applies to every all-reduce. What this chooses is
+    the collective structure; XLA picks the wire algorithm.
+
+    Args:
+        options: the strategy's `CommunicationOptions` (``None``: defaults).
+        axis_name: the replica axis the ops will reduce over (a mesh axis name,
+            or a tuple of them, outermost first); checked here.
+
+    Returns:
+        A `CrossDeviceOps` carrying ``options``.
+
+    Example:
+        >>> import jaxdist as jd
+        >>> from jaxdist.reduce import cross_device_ops_for
+        >>> opts = jd.experimental.CommunicationOptions(implementation="ring")
+        >>> type(cross_device_ops_for(opts, ("host", "local"))).__name__
+        'HierarchicalCopyAllReduce'
+    """
+    where = "cross_device_ops_for"
+    replica_axes(axis_name, where=where)
+    opts = resolve_options(options, where)
+    if opts is None:
+        opts = CommunicationOptions()
+    if opts.implementation is CommunicationImplementation.RING:
+        return HierarchicalCopyAllReduce(options=opts)
+    return NcclAllReduce(options=opts)

@@ -31,6 +31,7 @@ from jaxdist._mesh_placement import (
     variables_to,
 )
 from jaxdist._programs import LoweredStep, Program, program_for
+from jaxdist._scope import _STATE, check_cross_replica, strategy_scope
 from jaxdist._strategy_checks import (
     check_counts,
     check_mesh,
@@ -38,7 +39,6 @@ from jaxdist._strategy_checks import (
     check_numeric,
     nested_run_error,
 )
-from jaxdist.context import _STATE, check_cross_replica, strategy_scope
 from jaxdist.data import NumpyRows
 from jaxdist.extended import StrategyExtended
 from jaxdist.options import RunOptions
@@ -72,6 +72,8 @@ class Strategy:
         "_last_program",
         "_mesh",
         "_parameter_placed",
+        "_per_replica_sharding",
+        "_replicated_sharding",
     )
     _devices: tuple[jax.Device, ...]  # in replica order
     _axis_name: str | tuple[str, ...]
@@ -81,6 +83,8 @@ class Strategy:
     _mesh: Mesh
     _cross_device_ops: CrossDeviceOps
     _parameter_placed: bool  # variables live on one parameter device (central storage)
+    _replicated_sharding: NamedSharding
+    _per_replica_sharding: NamedSharding
     # [weakref to fn, program] of the last run() without options: a repeat call skips the
     # cache lookup.
     _last_program: list[Any]
@@ -113,6 +117,8 @@ class Strategy:
         object.__setattr__(self, "_devices", devices)
         object.__setattr__(self, "_mesh", mesh)
         object.__setattr__(self, "_cross_device_ops", cross_device_ops)
+        object.__setattr__(self, "_replicated_sharding", NamedSharding(mesh, P()))
+        object.__setattr__(self, "_per_replica_sharding", NamedSharding(mesh, P(self._axis_name)))
         key = (type(self), devices, shape, axis_names, cross_device_ops, *self._extra_key())
         object.__setattr__(self, "_key", key)
         object.__setattr__(self, "_hash", hash(key))
@@ -157,6 +163,17 @@ class Strategy:
     @property
     def num_replicas_in_sync(self) -> int:
         return len(self._devices)
+
+    @property
+    def replicated_sharding(self) -> NamedSharding:
+        """``NamedSharding(mesh, P())``: one copy on every replica's device (made once)."""
+        return self._replicated_sharding
+
+    @property
+    def per_replica_sharding(self) -> NamedSharding:
+        """``NamedSharding(mesh, P(axis_name))``: row ``r`` of a leading replica axis on
+        replica ``r``'s device, the layout of `PerReplica` values (made once)."""
+        return self._per_replica_sharding
 
     @property
     def cross_device_ops(self) -> CrossDeviceOps:
@@ -298,7 +315,7 @@ class Strategy:
         kwargs: dict[str, Any],
     ) -> Any:
         """The caller for central storage: ON_WRITE variables visit the mesh for the call."""
-        args, kwargs = variables_to(self._mesh_replicated(), (args, kwargs))
+        args, kwargs = variables_to(self._replicated_sharding, (args, kwargs))
         out = caller(args, kwargs)
         return variables_to(jax.sharding.SingleDeviceSharding(self.parameter_device), out)
 
@@ -321,9 +338,6 @@ class Strategy:
         # example one replica's local result): place it on the mesh and retry.
         args, kwargs = onto_mesh(self, (args, kwargs))
         return call(args, kwargs)
-
-    def _mesh_replicated(self) -> NamedSharding:
-        return NamedSharding(self._mesh, P())
 
     def function(
         self, fn: Callable[..., Any] | None = None, *, options: RunOptions | None = None
@@ -479,7 +493,7 @@ class Strategy:
                     f"({treedef}) and replica {r} ({td}); every replica must return the same "
                     "pytree structure."
                 )
-        sharding = NamedSharding(self._mesh, P(self.axis_name))
+        sharding = self._per_replica_sharding
         out = []
         for i, (path, _) in enumerate(flat[0][0]):
             rows = [

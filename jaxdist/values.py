@@ -22,7 +22,9 @@ from typing import Any
 import jax
 import numpy as np
 
+from jaxdist._dtypes import numeric
 from jaxdist._jax_compat import is_tracer
+from jaxdist._scope import get_strategy
 
 __all__ = ["DistributedValues", "Mirrored", "PerReplica", "ValueContext"]
 
@@ -105,17 +107,12 @@ def _make(cls: type, fields: tuple[Any, ...]) -> Any:
 
 def _unpickle(cls: type, fields: tuple[Any, ...]) -> Any:
     """Restores a pickled value; placed on the current strategy's devices when it fits."""
-    from jaxdist.context import get_strategy
-
     strategy = get_strategy()
     array = fields[0]
     if cls is PerReplica and np.ndim(array) and array.shape[0] == strategy.num_replicas_in_sync:
-        spec = jax.sharding.PartitionSpec(strategy.axis_name)
-        array = jax.device_put(array, jax.sharding.NamedSharding(strategy.mesh, spec))
+        array = jax.device_put(array, strategy.per_replica_sharding)
     elif cls is Mirrored:
-        array = jax.device_put(
-            array, jax.sharding.NamedSharding(strategy.mesh, jax.sharding.PartitionSpec())
-        )
+        array = jax.device_put(array, strategy.replicated_sharding)
     return _make(cls, (array, *fields[1:]))
 
 
@@ -135,9 +132,6 @@ def _no_single_value(kind: str) -> TypeError:
 
 def _stack(values: Sequence[Any]) -> Any:
     """TF's ``PerReplica((v0, v1, ...))``: one global array, placed by the current strategy."""
-    from jaxdist._variable_dtypes import numeric  # (it imports this module)
-    from jaxdist.context import get_strategy
-
     if not values:
         raise ValueError("PerReplica: got an empty list of per-replica values.")
     leaves = [np.asarray(v) if not isinstance(v, jax.Array) else v for v in values]
@@ -148,7 +142,7 @@ def _stack(values: Sequence[Any]) -> Any:
             "lambda ctx: tree_for(ctx.replica_id_in_sync_group))."
         )
     shapes = {tuple(np.shape(v)) for v in leaves}
-    dtypes = {np.result_type(v) for v in leaves}
+    dtypes = {np.dtype(v.dtype) for v in leaves}
     odd = sorted(str(d) for d in dtypes if not numeric(d))
     if odd:
         raise TypeError(
@@ -165,8 +159,7 @@ def _stack(values: Sequence[Any]) -> Any:
     stacked = jax.numpy.stack([jax.numpy.asarray(v) for v in leaves])
     strategy = get_strategy()
     if strategy.num_replicas_in_sync == len(values):
-        spec = jax.sharding.PartitionSpec(strategy.axis_name)
-        stacked = jax.device_put(stacked, jax.sharding.NamedSharding(strategy.mesh, spec))
+        stacked = jax.device_put(stacked, strategy.per_replica_sharding)
     return stacked
 
 

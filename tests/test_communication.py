@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 import jaxdist as jd
-from jaxdist.communication import cross_device_ops_for
+from jaxdist.reduce import cross_device_ops_for
 
 RTOL = 1e-6  # float32 sums of 8 small integers-valued floats: exact in practice
 HOST, LOCAL = 2, 4  # a (host, local) mesh inside one process, as MultiWorkerMirroredStrategy's

@@ -18,10 +18,15 @@ def test_every_public_name_resolves_to_its_module() -> None:
     namespace: dict[str, object] = {}
     exec("from jaxdist import *", namespace)  # what `import *` gives users
     assert set(jd.__all__) <= set(namespace) and set(jd.__all__) <= set(dir(jd))
-    # The lazy loader knows every public name, and only those (one list kept by hand).
-    assert set(jd._HOMES) | jd._SUBMODULES == set(jd.__all__)
+    # __all__ is made from the one table of public names.
+    assert set(jd._PUBLIC) | set(jd._SUBMODULES) == set(jd.__all__)
     for name in jd.__all__:
         assert getattr(jd, name) is namespace[name]
+    # Each name's home in the table is the module that defines it (not a re-export).
+    for name, home in jd._PUBLIC.items():
+        value = getattr(jd, name)
+        if hasattr(value, "__module__") and not isinstance(value, type(jd)):
+            assert value.__module__ == home, (name, value.__module__, home)
     assert jd.MirroredStrategy is jaxdist.strategies.mirrored.MirroredStrategy
     assert jd.PerReplica is jaxdist.values.PerReplica
     assert jd.initialize is jd.cluster_resolver.initialize
@@ -41,3 +46,22 @@ def test_import_and_launcher_start_without_jax() -> None:
         [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120
     )
     assert out.stdout.split("\n")[:2] == ["[]", "True"], out.stdout + out.stderr
+
+
+def test_the_type_checking_block_spells_out_the_table() -> None:
+    """What type checkers see (the TYPE_CHECKING imports) is exactly the table."""
+    import ast
+    import inspect
+
+    tree = ast.parse(inspect.getsource(jd))
+    (block,) = [
+        n for n in tree.body if isinstance(n, ast.If) and ast.unparse(n.test) == "TYPE_CHECKING"
+    ]
+    seen: dict[str, str] = {}
+    for node in block.body:
+        assert isinstance(node, ast.ImportFrom) and node.module is not None
+        for alias in node.names:
+            seen[alias.asname or alias.name] = node.module
+    submodules = {n for n, m in seen.items() if m == "jaxdist"}
+    assert submodules == set(jd._SUBMODULES)
+    assert {n: m for n, m in seen.items() if m != "jaxdist"} == jd._PUBLIC

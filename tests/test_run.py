@@ -306,3 +306,16 @@ def test_output_kinds_and_reprs_for_every_dtype(mirrored8: jd.MirroredStrategy) 
     assert int(mn.array) == 0 and mn.dtype == jnp.int32
     assert [bool(v) for v in mirrored8.experimental_local_results(mx)] == [True] * 8
     assert len(mx.values) == 8 and all(v.shape == () for v in mx.values)
+
+
+def test_every_bad_argument_leaf_is_listed(mirrored8: jd.MirroredStrategy) -> None:
+    step = mirrored8.function(lambda ctx, a: a)
+    bad = {"name": "x", "w": jnp.ones(2), "ids": np.array(["a", "b"])}
+    with pytest.raises(TypeError) as info:
+        step(bad)
+    msg = str(info.value)
+    assert "args[0]['ids'] is an array of dtype <U1" in msg, msg
+    assert "args[0]['name'] is a str ('x')" in msg, msg
+    assert "'w'" not in msg and "not arrays of numbers" in msg
+    with pytest.raises(TypeError, match=r"value\['a'\] is an array of dtype <U1.*value\['b'\]"):
+        mirrored8.reduce("sum", {"a": np.array(["x"]), "b": np.array(["y"]), "c": 1.0}, None)

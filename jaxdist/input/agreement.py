@@ -75,10 +75,10 @@ import jax
 
 from jaxdist._jax_compat import distributed_client as _client
 from jaxdist._jax_compat import is_deadline_exceeded
+from jaxdist._protocols import StrategyLike
 
 if TYPE_CHECKING:
     from jaxdist.input.batching import Batcher, HostBatch, Layout
-    from jaxdist.strategy import Strategy
 
 __all__ = ["BLOCK", "EpochAgreement", "StepSync", "agreed", "step_sync"]
 
@@ -124,7 +124,7 @@ class StepSync:
         return EpochAgreement(self, epoch, stop)
 
 
-def step_sync(strategy: Strategy, layout: Layout, where: str) -> StepSync | None:
+def step_sync(strategy: StrategyLike, layout: Layout, where: str) -> StepSync | None:
     """The agreement for a dataset whose processes read their own sources; None in a
     single-process job (nothing to agree on, nothing added to its path)."""
     if not layout.multi_process or _client() is None:

@@ -20,18 +20,16 @@ from typing import TYPE_CHECKING, Any
 
 import jax
 import numpy as np
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
+from jaxdist._dtypes import numeric
 from jaxdist._jax_compat import place_host_arrays
-from jaxdist._variable_dtypes import numeric
+from jaxdist._protocols import StrategyLike
 from jaxdist.input.options import AutoShardPolicy
 from jaxdist.values import DistributedValues, PerReplica
 from jaxdist.values import _unflatten_per_replica as _per_replica
 
 if TYPE_CHECKING:
     from jaxdist.input.options import InputOptions
-    from jaxdist.strategy import Strategy
 
 HostBatch = tuple[list[np.ndarray], np.ndarray]
 
@@ -61,7 +59,7 @@ class Layout:
 
 
 def replica_layout(
-    strategy: Strategy,
+    strategy: StrategyLike,
     *,
     process_index: int | None = None,
     process_of: Callable[[jax.Device], int] | None = None,
@@ -81,7 +79,7 @@ def replica_layout(
     n = strategy.num_replicas_in_sync
     me = jax.process_index() if process_index is None else process_index
     owner = process_of if process_of is not None else (lambda d: d.process_index)
-    sharding = NamedSharding(strategy.mesh, P(strategy.axis_name))
+    sharding = strategy.per_replica_sharding
     local: set[int] = set()
     processes: set[int] = set()
     for device, index in sharding.devices_indices_map((n,)).items():
@@ -124,10 +122,10 @@ class Shared:
     warnings already given (each is given once per dataset), the shardings, and the
     device copies of full batches' valid counts (placed once, not once per epoch)."""
 
-    def __init__(self, strategy: Strategy) -> None:
+    def __init__(self, strategy: StrategyLike) -> None:
         self.warned: set[str] = set()
-        self.sharding = NamedSharding(strategy.mesh, P(strategy.axis_name))
-        self.replicated = NamedSharding(strategy.mesh, P())
+        self.sharding = strategy.per_replica_sharding
+        self.replicated = strategy.replicated_sharding
         self.full_valid: dict[tuple[int, int], Any] = {}  # (replicas, rows) -> device counts
 
 
@@ -141,7 +139,7 @@ class Batcher:
 
     def __init__(
         self,
-        strategy: Strategy,
+        strategy: StrategyLike,
         options: InputOptions,
         where: str,
         layout: Layout,

@@ -11,11 +11,12 @@ the pipelines it returned again (so a shuffling source reshuffles).
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import jax
 import numpy as np
 
+from jaxdist._protocols import StrategyLike
 from jaxdist.data import ArrayDataset
 from jaxdist.input.agreement import step_sync
 from jaxdist.input.batching import Batcher, HostBatch, Layout, Shared, replica_layout
@@ -26,9 +27,6 @@ from jaxdist.input.options import (
     InputOptions,
     InputReplicationMode,
 )
-
-if TYPE_CHECKING:
-    from jaxdist.strategy import Strategy
 
 _REITERABLE = (
     "a list of batches, jaxdist.data.from_arrays(...), or jaxdist.data.from_generator(fn) "
@@ -83,7 +81,7 @@ def _check_source(dataset: Any, where: str) -> None:
         )
 
 
-def distribute_dataset(strategy: Strategy, dataset: Any, options: Any) -> DistributedDataset:
+def distribute_dataset(strategy: StrategyLike, dataset: Any, options: Any) -> DistributedDataset:
     where = f"{type(strategy).__name__}.experimental_distribute_dataset"
     layout = replica_layout(strategy)
     options = _check_options(options, where, layout)
@@ -128,7 +126,7 @@ def distribute_dataset(strategy: Strategy, dataset: Any, options: Any) -> Distri
 
 
 def distribute_from_function(
-    strategy: Strategy, dataset_fn: Callable[[InputContext], Any], options: Any
+    strategy: StrategyLike, dataset_fn: Callable[[InputContext], Any], options: Any
 ) -> DistributedDataset:
     where = f"{type(strategy).__name__}.distribute_datasets_from_function"
     layout = replica_layout(strategy)

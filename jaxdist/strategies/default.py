@@ -6,6 +6,7 @@ import functools
 
 import jax
 
+from jaxdist._scope import register_default_strategy
 from jaxdist.strategy import Strategy
 
 __all__ = ["DefaultStrategy", "default_strategy"]
@@ -23,3 +24,6 @@ class DefaultStrategy(Strategy):
 @functools.cache
 def default_strategy() -> DefaultStrategy:
     return DefaultStrategy()
+
+
+register_default_strategy(default_strategy, DefaultStrategy)

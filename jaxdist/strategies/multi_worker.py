@@ -184,7 +184,8 @@ class MultiWorkerMirroredStrategy(Strategy):
     def __init__(self, cluster_resolver: Any = None, communication_options: Any = None) -> None:
         from jaxdist.cluster_resolver import ClusterResolver, initialize, resolve_default
         from jaxdist.cluster_resolver.initialize import _multi_process_kwargs
-        from jaxdist.communication import CommunicationOptions, cross_device_ops_for
+        from jaxdist.communication import CommunicationOptions
+        from jaxdist.reduce import cross_device_ops_for
 
         where = "MultiWorkerMirroredStrategy"
         if cluster_resolver is not None and not isinstance(cluster_resolver, ClusterResolver):

@@ -50,11 +50,11 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 import jax
 
-from jaxdist.context import get_strategy
+from jaxdist._scope import get_strategy
 from jaxdist.input import DistributedDataset, DistributedIterator
 from jaxdist.strategy import Strategy
 from jaxdist.training._nnx import is_nnx_node
@@ -186,7 +186,8 @@ class _Interrupts:
 def _strategy_for(step: Any, strategy: Strategy | None) -> Strategy:
     own = step._strategy if isinstance(step, TrainStep) else None
     if strategy is None:
-        return own if own is not None else get_strategy()
+        # Scopes only ever hold `Strategy` instances (StrategyLike is their low-layer face).
+        return own if own is not None else cast(Strategy, get_strategy())
     if not isinstance(strategy, Strategy):
         raise TypeError(
             f"{_WHERE}: strategy must be a jaxdist.Strategy, got {type(strategy).__name__}."

@@ -43,11 +43,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxdist._jax_compat import is_tracer
-from jaxdist.context import (
-    get_replica_context,
-    has_strategy,
-    in_cross_replica_context,
-)
+from jaxdist._scope import has_strategy, in_cross_replica_context
+from jaxdist.context import get_replica_context
 
 __all__ = ["compute_average_loss", "scale_regularization_loss"]
 

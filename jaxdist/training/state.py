@@ -8,7 +8,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jaxdist.context import current_state
+from jaxdist._scope import current_state
 from jaxdist.training._place import placed_copy
 
 __all__ = ["TrainState"]
@@ -102,8 +102,8 @@ class TrainState:
         )
         strategy = current_state().strategy
         if strategy is not None:
-            replicated = jax.sharding.NamedSharding(strategy.mesh, jax.sharding.PartitionSpec())
-            state = placed_copy(state, replicated)  # own buffers: steps donate them
+            # own buffers: steps donate them
+            state = placed_copy(state, strategy.replicated_sharding)
         return state
 
     def __getattr__(self, name: str) -> Any:

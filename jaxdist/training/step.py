@@ -33,13 +33,12 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
 from jaxdist._compile import Synced, replicated
 from jaxdist._jax_compat import is_tracer
 from jaxdist._programs import LoweredStep
-from jaxdist.context import ReplicaContext, get_strategy
+from jaxdist._scope import get_strategy
+from jaxdist.context import ReplicaContext
 from jaxdist.strategy import Strategy
 from jaxdist.training._nnx import StateCache, is_nnx_node
 from jaxdist.training._place import placed_copy
@@ -259,7 +258,7 @@ class TrainStep:
         strategy, _, cache, program, values, states, others = self._prepare(args, kwargs)
         central = strategy._parameter_placed
         if central and values:  # central storage: NNX state lives on the parameter device
-            values = jax.device_put(values, _replicated_sharding(strategy))
+            values = jax.device_put(values, strategy.replicated_sharding)
         out, new_values = strategy._dispatch(program, (values, states, others), {})
         if cache is not None:
             if central:
@@ -285,17 +284,13 @@ class TrainStep:
         return f"<jaxdist.train_step of {self._fn!r}>"
 
 
-def _replicated_sharding(strategy: Strategy) -> NamedSharding:
-    return NamedSharding(strategy.mesh, P())
-
-
 def _place(strategy: Strategy, cache: StateCache) -> None:
     """Puts NNX state replicated on the strategy's devices (once, when the cache is made),
     so the first step can donate it and later steps see the layout they return."""
     if strategy._parameter_placed:
         sharding: Any = jax.sharding.SingleDeviceSharding(strategy.parameter_device)
     else:
-        sharding = _replicated_sharding(strategy)
+        sharding = strategy.replicated_sharding
     values = cache.read()
     if all(getattr(v, "sharding", None) == sharding for v in values):
         return
@@ -306,7 +301,7 @@ def _place(strategy: Strategy, cache: StateCache) -> None:
 
 def _placed_state(strategy: Strategy, state: TrainState) -> TrainState:
     leaves = jax.tree.leaves(state)
-    sharding = _replicated_sharding(strategy)
+    sharding = strategy.replicated_sharding
     if all(getattr(x, "sharding", None) == sharding for x in leaves[:1]):
         return state
     return placed_copy(state, sharding)

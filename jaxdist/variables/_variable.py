@@ -40,7 +40,7 @@ when the replica count matches and otherwise restoring the saved aggregate as
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -48,9 +48,14 @@ import numpy as np
 
 from jaxdist import _dispatch
 from jaxdist._cross_replica import reduce_leaf
+from jaxdist._dtypes import lossy_cast, numeric
 from jaxdist._jax_compat import is_tracer
-from jaxdist._variable_dtypes import initial_array, lossy_cast, numeric, split_sum
-from jaxdist._variable_meta import (
+from jaxdist._protocols import StrategyLike
+from jaxdist._reduce_op import ReduceOp
+from jaxdist._scope import current_replica_context, current_state, get_strategy
+from jaxdist.values import DistributedValues, Mirrored, PerReplica
+from jaxdist.variables._dtypes import initial_array, split_sum
+from jaxdist.variables._meta import (
     _COLOCATE,
     VariableAggregation,
     VariableSynchronization,
@@ -58,13 +63,7 @@ from jaxdist._variable_meta import (
     _mirrored_sharding,
     _replica_sharding,
 )
-from jaxdist._variable_ops import ReadsLikeAnArray
-from jaxdist.context import current_state, get_replica_context, get_strategy
-from jaxdist.reduce import ReduceOp
-from jaxdist.values import DistributedValues, Mirrored, PerReplica
-
-if TYPE_CHECKING:
-    from jaxdist.strategy import Strategy
+from jaxdist.variables._ops import ReadsLikeAnArray
 
 __all__ = ["Variable", "VariableAggregation", "VariableSynchronization"]
 
@@ -186,7 +185,7 @@ class Variable(ReadsLikeAnArray):
         return self._meta.name
 
     @property
-    def strategy(self) -> Strategy:
+    def strategy(self) -> StrategyLike:
         """The strategy that placed this variable."""
         return self._meta.strategy
 
@@ -529,7 +528,7 @@ def _unpickle(
 
 
 def _replica_ctx(method: str) -> Any:
-    ctx = get_replica_context()
+    ctx = current_replica_context()
     if ctx is None:
         raise RuntimeError(f"Variable.{method}: no replica context is active.")
     return ctx

@@ -8,15 +8,11 @@ import contextvars
 import dataclasses
 import enum
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import jax
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
-if TYPE_CHECKING:
-    from jaxdist.strategy import Strategy
-    from jaxdist.variables import Variable
+from jaxdist._protocols import StrategyLike
 
 
 class _NamedEnum(enum.Enum):
@@ -54,18 +50,17 @@ class _Meta:
     aggregation: VariableAggregation
     trainable: bool
     name: str | None
-    strategy: Strategy  # the strategy that placed it
+    strategy: StrategyLike  # the strategy that placed it
     created_in_scope: bool
     local: bool = False  # True for the per-replica view inside a replica function
 
 
-_COLOCATE: contextvars.ContextVar[Variable | None] = contextvars.ContextVar(
-    "jaxdist_colocate", default=None
-)
+# The Variable to colocate new variables with, or None.
+_COLOCATE: contextvars.ContextVar[Any] = contextvars.ContextVar("jaxdist_colocate", default=None)
 
 
 @contextlib.contextmanager
-def colocate_with(var: Variable) -> Iterator[None]:
+def colocate_with(var: Any) -> Iterator[None]:
     """Variables created in the block are placed on ``var``'s devices (private)."""
     token = _COLOCATE.set(var)
     try:
@@ -74,12 +69,12 @@ def colocate_with(var: Variable) -> Iterator[None]:
         _COLOCATE.reset(token)
 
 
-def _mirrored_sharding(strategy: Strategy) -> jax.sharding.Sharding:
+def _mirrored_sharding(strategy: StrategyLike) -> jax.sharding.Sharding:
     param = getattr(strategy, "parameter_device", None)
     if param is not None:
         return jax.sharding.SingleDeviceSharding(param)
-    return NamedSharding(strategy.mesh, P())
+    return strategy.replicated_sharding
 
 
-def _replica_sharding(strategy: Strategy) -> jax.sharding.Sharding:
-    return NamedSharding(strategy.mesh, P(strategy.axis_name))
+def _replica_sharding(strategy: StrategyLike) -> jax.sharding.Sharding:
+    return strategy.per_replica_sharding

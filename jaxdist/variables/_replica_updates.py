@@ -10,28 +10,27 @@ one mirrored variable.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import jax.numpy as jnp
 from jax import lax
 
 from jaxdist._jax_compat import varies
-from jaxdist.variables import Variable, VariableAggregation
-
-if TYPE_CHECKING:
-    from jaxdist.context import ReplicaContext
+from jaxdist._protocols import ReplicaContextLike
+from jaxdist.variables._meta import VariableAggregation
+from jaxdist.variables._variable import Variable
 
 Agg = VariableAggregation
 
 
-def register_mirror(ctx: ReplicaContext, invariant: Any) -> Any:
+def register_mirror(ctx: ReplicaContextLike, invariant: Any) -> Any:
     """Returns the per-replica view of an ON_WRITE input and remembers its invariant value."""
     per_replica = lax.pcast(invariant, ctx.axis_name, to="varying")
     ctx._mirrors[id(per_replica)] = (per_replica, invariant)
     return per_replica
 
 
-def mirror_of(ctx: ReplicaContext, var: Variable, where: str) -> Any:
+def mirror_of(ctx: ReplicaContextLike, var: Variable, where: str) -> Any:
     """The replica-invariant current value of an ON_WRITE variable."""
     value = var._stored
     if not varies(value, ctx.axis_name):
@@ -53,7 +52,7 @@ def varying_variable_error(meta: Any, where: str) -> ValueError:
     )
 
 
-def _aggregate(ctx: ReplicaContext, var: Variable, x: Any, where: str) -> Any:
+def _aggregate(ctx: ReplicaContextLike, var: Variable, x: Any, where: str) -> Any:
     agg = var.aggregation
     varying = varies(x, ctx.axis_name)
     if agg is Agg.SUM:
@@ -78,9 +77,9 @@ def _aggregate(ctx: ReplicaContext, var: Variable, x: Any, where: str) -> Any:
     return ctx.broadcast(x, source_replica=0)  # ONLY_FIRST_REPLICA
 
 
-def replica_update(ctx: ReplicaContext, var: Any, kind: str, value: Any) -> Variable:
+def replica_update(ctx: ReplicaContextLike, var: Any, kind: str, value: Any) -> Variable:
     """``ctx.assign`` / ``assign_add`` / ``assign_sub`` (``kind``) of ``var`` by ``value``."""
-    where = f"ReplicaContext.{kind}"
+    where = f"ReplicaContextLike.{kind}"
     if not isinstance(var, Variable):
         raise TypeError(
             f"{where}: expected a jaxdist.Variable, got {type(var).__name__}. Plain arrays are "

@@ -1,6 +1,6 @@
 # `make test` and `make demo` work on a fresh machine: they create .venv first.
 PYTHON ?= python3
-VENV   := .venv
+VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
@@ -17,6 +17,7 @@ test: $(STAMP)
 	$(VENV)/bin/mypy jaxdist
 	$(VENV)/bin/lint-imports
 	$(PY) -m pytest -q
+	@$(PY) -c "import sys, jax; print(f'tested with Python {sys.version.split()[0]}, jax {jax.__version__}')"
 
 demo: $(STAMP)
 	$(PY) -m jaxdist.examples.digits
@@ -33,4 +34,4 @@ bench: $(STAMP)
 	$(PY) benchmarks/multi_process.py
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache *.egg-info
+	rm -rf .venv .venv313 .pytest_cache .ruff_cache *.egg-info

@@ -247,14 +247,24 @@ def _eqn(eqn: Any, args: list[ValueInfo], axes: frozenset[str]) -> list[ValueInf
             outs = _walk(subs[0], args, axes)
             if len(outs) == n_out:
                 return outs
-        return _not_understood(eqn, args, "a call whose body does not match its operands")
+        return _opaque(eqn, args, subs)
     if name == "scan":
         return _scan(eqn, args, axes)
     if name == "while":
         return _while(eqn, args, axes)
     if name == "cond":
         return _cond(eqn, args, axes)
-    return _not_understood(eqn, args, "a higher-order primitive")
+    return _opaque(eqn, args, subs)
+
+
+def _opaque(eqn: Any, args: list[ValueInfo], subs: list[Any]) -> list[ValueInfo]:
+    """Any other higher-order primitive (``scatter-add``'s combiner, ``sort``'s comparator,
+    a custom one): every output depends on every input. That is exact when its jaxprs hold
+    no collective or other source of differences (then it is a fixed function of its
+    inputs); when they do, the analysis cannot follow them, and says so."""
+    if _contains_source(subs):
+        return _not_understood(eqn, args, "a higher-order primitive with collectives inside")
+    return [_join_all(args)] * len(eqn.outvars)
 
 
 def _scan(eqn: Any, args: list[ValueInfo], axes: frozenset[str]) -> list[ValueInfo]:

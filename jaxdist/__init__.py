@@ -14,7 +14,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # what type checkers and IDEs see: the same names, imported eagerly
-    from jaxdist import checkpoint, cluster_resolver, data, experimental, training
+    from jaxdist import checkpoint, cluster_resolver, data, experimental, tpu, training
     from jaxdist.cluster_resolver import initialize
     from jaxdist.context import (
         ReplicaContext,
@@ -96,7 +96,9 @@ _HOMES: dict[str, str] = {
     "scale_regularization_loss": "jaxdist.training",
     "train_step": "jaxdist.training",
 }
-_SUBMODULES = frozenset({"checkpoint", "cluster_resolver", "data", "experimental", "training"})
+_SUBMODULES = frozenset(
+    {"checkpoint", "cluster_resolver", "data", "experimental", "tpu", "training"}
+)
 
 
 def __getattr__(name: str) -> Any:
@@ -154,6 +156,7 @@ __all__ = [
     "in_cross_replica_context",
     "initialize",
     "scale_regularization_loss",
+    "tpu",
     "train_step",
     "training",
 ]

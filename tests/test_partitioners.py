@@ -329,3 +329,13 @@ def test_bad_dtypes() -> None:
         partitioner((6, 1), None)
     # FixedShardsPartitioner ignores the dtype, as TF's does.
     assert FixedShardsPartitioner(2)((6, 1), None) == [2, 1]
+
+
+def test_called_with_keywords_as_tf_strategies_call_them() -> None:
+    # TF's ParameterServerStrategy calls `partitioner(shape=shape, dtype=dtype)`.
+    for partitioner in (
+        FixedShardsPartitioner(2),
+        MinSizePartitioner(4, 2),
+        MaxSizePartitioner(12),
+    ):
+        assert partitioner(shape=(6, 1), dtype=np.float32) == [2, 1]

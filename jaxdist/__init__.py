@@ -1,8 +1,8 @@
 """jaxdist: tf.distribute's programming model for JAX.
 
-Only the names in `_PUBLIC` below (and the ``jaxdist.experimental``,
-``jaxdist.training``, ``jaxdist.checkpoint``, ``jaxdist.data`` and
-``jaxdist.cluster_resolver`` modules) are public; every other module is internal.
+Only the names in `_PUBLIC` below (and the modules in `_SUBMODULES`:
+``jaxdist.experimental``, ``training``, ``checkpoint``, ``data``,
+``cluster_resolver`` and ``tpu``) are public; every other module is internal.
 
 `_PUBLIC` is the one table of public names: each name and the module that defines
 it. ``__all__`` is made from it, and names are loaded from it when first used
@@ -23,6 +23,7 @@ if TYPE_CHECKING:  # the table below, spelled out for type checkers and IDEs
         cluster_resolver,
         data,
         experimental,
+        tpu,
         training,
     )
     from jaxdist._reduce_op import (
@@ -153,6 +154,7 @@ _SUBMODULES: tuple[str, ...] = (
     "cluster_resolver",
     "data",
     "experimental",
+    "tpu",
     "training",
 )
 

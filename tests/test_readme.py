@@ -200,7 +200,6 @@ NOT_YET = [
     (jd.experimental, "PreemptionCheckpointHandler"),
     (jd.experimental, "TerminationConfig"),
     (jd.experimental, "CollectiveCommunication"),
-    (jd.experimental, "partitioners"),
     (jd.experimental, "rpc"),
     (jd.cluster_resolver, "GCEClusterResolver"),
     (jd.Strategy, "make_dataset_iterator"),

@@ -6,6 +6,7 @@ from jaxdist.communication import (
     CommunicationImplementation,
     CommunicationOptions,
 )
+from jaxdist.experimental import partitioners
 from jaxdist.input.options import AutoShardPolicy
 from jaxdist.strategies.central_storage import CentralStorageStrategy
 from jaxdist.strategies.multi_worker import MultiWorkerMirroredStrategy
@@ -19,5 +20,6 @@ __all__ = [
     "CommunicationOptions",
     "MultiWorkerMirroredStrategy",
     "ValueContext",
+    "partitioners",
     "set_program_cache_size",
 ]

@@ -180,9 +180,9 @@ def test_control_flow_training_equals_single_device_with_one_replicated_copy() -
 
     def body(params: Any, opt_state: Any, x: Any, y: Any) -> Any:
         pv = jax.lax.pcast(params, axis, to="varying")
-        loss, g = jax.value_and_grad(
-            lambda p: jnp.sum(_ce(nnx.merge(graphdef, p)(x), y)) / BATCH
-        )(pv)
+        loss, g = jax.value_and_grad(lambda p: jnp.sum(_ce(nnx.merge(graphdef, p)(x), y)) / BATCH)(
+            pv
+        )
         g = _clip(jax.lax.psum(g, axis))
         updates, opt_state = tx.update(g, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, jax.lax.psum(loss, axis)

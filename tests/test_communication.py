@@ -3,13 +3,14 @@
 References: NumPy for every number; tf.distribute's documented behaviour for the
 API (``CommunicationOptions``, ``CrossDeviceOps.reduce/batch_reduce/broadcast``,
 ``ReductionToOneDevice``, ``StrategyExtended.update/reduce_to/broadcast_to``).
-Collective structure is read from the compiled HLO (replica groups) or, for
-the number of collectives before XLA's combiner, from the lowered StableHLO.
+Collective structure is read from the compiled HLO with ``tests/_hlo.py`` (which
+devices each collective groups, how many bytes leave a host), whatever spelling
+the installed XLA prints, or, for the number of collectives before XLA's
+combiner, from the lowered StableHLO.
 """
 
 from __future__ import annotations
 
-import re
 import warnings
 from typing import Any
 
@@ -17,21 +18,25 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import Mesh, PartitionSpec
 
 import jaxdist as jd
+from jaxdist._jax_compat import all_gather_invariant, varying_axes
 from jaxdist.reduce import cross_device_ops_for
+
+from _hlo import bytes_across, collectives, group_sets, lowered_count, mesh_groups
 
 RTOL = 1e-6  # float32 sums of 8 small integers-valued floats: exact in practice
 HOST, LOCAL = 2, 4  # a (host, local) mesh inside one process, as MultiWorkerMirroredStrategy's
+MESH = {"host": HOST, "local": LOCAL}
+EVERY = mesh_groups(MESH, over=("host", "local"))
+INSIDE = mesh_groups(MESH, over=("local",))  # the devices of each host: {0,1,2,3}, {4,5,6,7}
+ACROSS = mesh_groups(MESH, over=("host",))  # one device of each host: {0,4}, {1,5}, ...
+ROW_BYTES = 6 * 4  # one replica's value: 6 float32
 
 
 def _two_level(ops: jd.CrossDeviceOps) -> jd.Strategy:
     return jd.Strategy(jax.devices(), ops, mesh_shape=(HOST, LOCAL), axis_names=("host", "local"))
-
-
-def _groups(hlo: str, op: str) -> list[str]:
-    """The replica groups of every ``op`` (e.g. "all-reduce") in compiled HLO text."""
-    return re.findall(rf"= \S+ {op}\(.*?replica_groups=(\{{[^ ]*\}}),", hlo)
 
 
 def _rows() -> np.ndarray:
@@ -148,21 +153,56 @@ def _compiled(ops: jd.CrossDeviceOps) -> str:
 
 def test_nccl_is_one_all_reduce_over_every_replica() -> None:
     hlo = _compiled(jd.NcclAllReduce())
-    assert _groups(hlo, "all-reduce") == ["{{0,1,2,3,4,5,6,7}}"]
-    assert not _groups(hlo, "reduce-scatter") and not _groups(hlo, "all-gather")
+    assert [c.opcode for c in collectives(hlo)] == ["all-reduce"]
+    assert group_sets(hlo, "all-reduce") == [EVERY]
+    assert bytes_across(hlo, MESH, "host") == ROW_BYTES  # the whole value leaves each host
 
 
 def test_hierarchical_reduces_inside_each_host_first() -> None:
+    """Reduce-scatter inside each host, all-reduce of one shard per device across hosts,
+    all-gather inside each host: only 1/LOCAL of the (padded) value crosses hosts."""
     hlo = _compiled(jd.HierarchicalCopyAllReduce())
-    inside = "{{0,1,2,3},{4,5,6,7}}"  # the devices of each host
-    assert _groups(hlo, "reduce-scatter") == [inside]
-    assert _groups(hlo, "all-reduce") == ["{{0,4},{1,5},{2,6},{3,7}}"]  # across hosts
-    assert _groups(hlo, "all-gather") == [inside]
+    found = collectives(hlo)  # in schedule order, which follows the data
+    assert [c.opcode for c in found] == ["reduce-scatter", "all-reduce", "all-gather"]
+    assert [frozenset(map(frozenset, c.groups)) for c in found] == [INSIDE, ACROSS, INSIDE]
+    padded = -(-6 // LOCAL) * LOCAL  # 6 floats padded to 8 for the exchange inside a host
+    assert bytes_across(hlo, MESH, "host") == padded // LOCAL * 4 == 8
+    assert bytes_across(hlo, MESH, "host") < bytes_across(
+        _compiled(jd.NcclAllReduce()), MESH, "host"
+    )
 
 
 def test_reduction_to_one_device_gathers_instead_of_reducing() -> None:
     hlo = _compiled(jd.ReductionToOneDevice())
-    assert _groups(hlo, "all-gather") and not _groups(hlo, "reduce-scatter")
+    assert [c.opcode for c in collectives(hlo)] == ["all-gather"]
+    assert group_sets(hlo, "all-gather") == [EVERY]
+    assert bytes_across(hlo, MESH, "host") == ROW_BYTES  # each device sends its own value
+
+
+def test_all_gather_invariant_is_one_all_gather_typed_invariant() -> None:
+    """The compat helper behind ctx.all_gather and ReductionToOneDevice: one XLA all-gather,
+    typed invariant (shard_map checks that out_specs=P() holds). Its fallback, a psum of
+    one-hot rows, moves N times the data; jax 0.12 took it silently while the helper
+    imported a name that release made private."""
+    mesh = Mesh(np.array(jax.devices()).reshape(HOST, LOCAL), ("host", "local"))
+    axes: list[frozenset[str]] = []
+
+    def gather(x: jax.Array) -> jax.Array:
+        out = all_gather_invariant(x[0], ("host", "local"))
+        axes.append(varying_axes(out))
+        return out
+
+    f = jax.jit(
+        jax.shard_map(
+            gather, mesh=mesh, in_specs=PartitionSpec(("host", "local")), out_specs=PartitionSpec()
+        )
+    )
+    rows = jnp.asarray(_rows())
+    hlo = f.lower(rows).compile().as_text()
+    assert [c.opcode for c in collectives(hlo)] == ["all-gather"]
+    assert group_sets(hlo, "all-gather") == [EVERY]
+    np.testing.assert_array_equal(np.asarray(f(rows)), _rows())
+    assert axes == [frozenset()]
 
 
 def test_ring_over_one_axis_is_reduce_scatter_then_all_gather() -> None:
@@ -170,8 +210,9 @@ def test_ring_over_one_axis_is_reduce_scatter_then_all_gather() -> None:
     f = s.function(lambda ctx, x: ctx.all_reduce("sum", x))
     x = jd.PerReplica(jnp.asarray(_rows()))
     hlo = f.lower(x).compile().as_text()
-    assert _groups(hlo, "reduce-scatter") == ["{{0,1,2,3,4,5,6,7}}"]
-    assert not _groups(hlo, "all-reduce")
+    assert [c.opcode for c in collectives(hlo)] == ["reduce-scatter", "all-gather"]
+    every = mesh_groups({"replica": 8}, over=("replica",))
+    assert group_sets(hlo, "reduce-scatter") == group_sets(hlo, "all-gather") == [every]
     np.testing.assert_allclose(np.asarray(f(x)), _rows().sum(0), rtol=RTOL)
 
 
@@ -190,7 +231,7 @@ def _all_reduces_before_combining(options: Any) -> tuple[int, Any]:
     f = s.function(lambda ctx, g: ctx.all_reduce("sum", g, options=options))
     grads = jax.tree.map(jd.PerReplica, _grads())
     text = f.lower(grads).as_text()  # StableHLO: XLA's all-reduce combiner has not run
-    return len(re.findall(r"stablehlo\.all_reduce|\ball_reduce\b", text)), f(grads)
+    return lowered_count(text, "all_reduce"), f(grads)
 
 
 def test_bytes_per_pack_packs_small_gradients_into_few_collectives() -> None:
@@ -211,7 +252,7 @@ def test_strategy_options_apply_to_every_all_reduce() -> None:
     s = jd.MultiWorkerMirroredStrategy(communication_options=opts)  # one-process cluster
     f = s.function(lambda ctx, g: ctx.all_reduce("sum", g))
     grads = jax.tree.map(jd.PerReplica, _grads())
-    assert len(re.findall(r"stablehlo\.all_reduce|\ball_reduce\b", f.lower(grads).as_text())) == 1
+    assert lowered_count(f.lower(grads).as_text(), "all_reduce") == 1
     out = f(grads)
     for k, v in _grads().items():
         np.testing.assert_allclose(np.asarray(out[k]), np.asarray(v).sum(0), rtol=1e-5)

@@ -395,12 +395,22 @@ def test_tf_config_reads_cluster_task_and_master(monkeypatch: pytest.MonkeyPatch
     assert r.cluster_spec() == ClusterSpec(PS_WORKER)
     assert r.master() == "ps0:2222"
     assert r.master("worker", 1) == "worker1:2222"
-    assert (r.task_type, r.task_id, r.rpc_layer, r.environment) == ("ps", 0, None, "")
+    assert (r.task_type, r.task_id, r.rpc_layer, r.environment) == ("ps", 0, None, None)
     set_tf_config(monkeypatch, {**TF_PS_WORKER, "session_master": "sessionmaster:2222"})
     assert r.master() == "sessionmaster:2222"  # re-read on each call
     set_tf_config(monkeypatch, {**TF_PS_WORKER, "rpc_layer": "grpc", "environment": "cloud"})
-    assert (r.master(), r.rpc_layer, r.environment) == ("grpc://ps0:2222", "grpc", "cloud")
+    assert (r.master(), r.rpc_layer) == ("grpc://ps0:2222", "grpc")
+
+
+def test_tf_config_environment_is_the_constructors(monkeypatch: pytest.MonkeyPatch) -> None:
+    # TF's resolver returns its constructor's environment, None when not given; it never
+    # reads TF_CONFIG's "environment" entry.
+    set_tf_config(monkeypatch, {**TF_PS_WORKER, "environment": "cloud"})
+    assert TFConfigClusterResolver().environment is None
     assert TFConfigClusterResolver(environment="google").environment == "google"
+    monkeypatch.delenv("TF_CONFIG")
+    assert TFConfigClusterResolver().environment is None
+    assert UnionResolver(TFConfigClusterResolver()).environment is None
 
 
 def test_tf_config_parameter_overrides(monkeypatch: pytest.MonkeyPatch) -> None:

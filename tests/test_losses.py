@@ -63,9 +63,7 @@ def test_traced_global_batch_size_is_used_as_is() -> None:
     [
         ([10], r"compute_average_loss: global_batch_size must be scalar, got .*shape \(1,\)"),
         (np.array([2, 3]), r"global_batch_size must be scalar"),
-        (10.0, r"compute_average_loss: global_batch_size must be an integer, got 10\.0"),
-        (np.float32(8), r"global_batch_size must be an integer"),
-        (True, r"global_batch_size must be an integer, got True"),
+        ([10.0], r"global_batch_size must be scalar"),  # the shape is checked first, as TF
         (-1, r"compute_average_loss: global_batch_size must be non-negative, got -1\. Pass"),
         (np.int64(-3), r"global_batch_size must be non-negative, got -3"),
         (jnp.int32(-2), r"global_batch_size must be non-negative, got -2"),
@@ -74,6 +72,29 @@ def test_traced_global_batch_size_is_used_as_is() -> None:
 def test_invalid_global_batch_size(size: Any, match: str) -> None:
     with pytest.raises(ValueError, match=match):
         compute_average_loss([1.0, 2.0, 3.0, 4.0, 5.0], global_batch_size=size)
+
+
+@pytest.mark.parametrize(
+    ("size", "match"),
+    [
+        (10.0, r"compute_average_loss: global_batch_size must be an integer, got 10\.0 "),
+        (np.float32(8), r"global_batch_size must be an integer, got .*8\.0\)? \(dtype float32\)"),
+        (jnp.float32(8), r"global_batch_size must be an integer, .*\(dtype float32\)"),
+        (True, r"global_batch_size must be an integer, got True \(bool\)\. Pass"),
+        (np.bool_(True), r"global_batch_size must be an integer, got .*True_? \(bool\)"),
+        ("10", r"global_batch_size must be an integer, got '10' \(dtype <U2\)"),
+    ],
+)
+def test_non_integer_global_batch_size_is_a_type_error(size: Any, match: str) -> None:
+    # TF's assert_integer raises TypeError (tf.nn's test passes 10.0); negatives stay ValueError.
+    with pytest.raises(TypeError, match=match):
+        compute_average_loss([1.0, 2.0, 3.0, 4.0, 5.0], global_batch_size=size)
+
+
+def test_traced_float_global_batch_size_is_a_type_error() -> None:
+    f = jax.jit(lambda n: compute_average_loss(jnp.array([2.0, 4.0]), global_batch_size=n))
+    with pytest.raises(TypeError, match=r"global_batch_size must be an integer, .*float32"):
+        f(jnp.float32(3))
 
 
 @pytest.mark.parametrize("size", [0, np.int32(0), jnp.int32(0)])

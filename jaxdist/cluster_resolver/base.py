@@ -186,8 +186,12 @@ class ClusterResolver(abc.ABC):
         return local_accelerators()
 
     @property
-    def environment(self) -> str:
-        """The environment the job runs in (``""`` outside Google's own clusters)."""
+    def environment(self) -> str | None:
+        """The environment the job runs in (``""`` outside Google's own clusters).
+
+        `TFConfigClusterResolver` returns its constructor's value, ``None`` when
+        not given, as TF does.
+        """
         return ""
 
     @property

@@ -74,8 +74,10 @@ class TFConfigClusterResolver(ClusterResolver):
          "rpc_layer": "grpc", "environment": "cloud", "session_master": "..."}
 
     Every property re-reads the variable, so a change is seen at once, as in
-    TF. ``task.type`` is returned as a string and ``task.index`` as an int
-    (JSON may give ``"1"``); a missing ``cluster`` means an empty cluster (a
+    TF; `environment` alone is the constructor's value (``None`` by default),
+    as TF's resolver never reads ``TF_CONFIG``'s ``"environment"``.
+    ``task.type`` is returned as a string and ``task.index`` as an int (JSON
+    may give ``"1"``); a missing ``cluster`` means an empty cluster (a
     one-process job); a missing, blank or ``{}`` ``TF_CONFIG`` means no
     cluster and no task. Constructor arguments and the setters override the
     values in ``TF_CONFIG``.
@@ -84,7 +86,7 @@ class TFConfigClusterResolver(ClusterResolver):
         task_type: overrides ``task.type``.
         task_id: overrides ``task.index``.
         rpc_layer: overrides ``rpc_layer``.
-        environment: overrides ``environment``.
+        environment: what `environment` returns (``None`` when not given).
 
     Raises:
         ValueError: (when read) if ``TF_CONFIG`` is not a JSON object or its
@@ -150,11 +152,13 @@ class TFConfigClusterResolver(ClusterResolver):
         self._rpc_layer = rpc_layer
 
     @property
-    def environment(self) -> str:
-        """The constructor's ``environment``, else ``TF_CONFIG``'s, else ``""``."""
-        if self._environment is not None:
-            return self._environment
-        return str(load_tf_config().get("environment", ""))
+    def environment(self) -> str | None:
+        """The constructor's ``environment``; ``None`` when it was not given.
+
+        As in TF, ``TF_CONFIG``'s own ``"environment"`` entry is not read here
+        (TF's estimator-era tools read it, not the resolver).
+        """
+        return self._environment
 
     def cluster_spec(self) -> ClusterSpec:
         """``TF_CONFIG``'s ``cluster`` as a `ClusterSpec` (empty when there is none)."""

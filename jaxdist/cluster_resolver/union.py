@@ -138,7 +138,7 @@ class UnionResolver(ClusterResolver):
         self._rpc_layer = rpc_layer
 
     @property
-    def environment(self) -> str:
+    def environment(self) -> str | None:
         return self._resolvers[0].environment
 
     def num_accelerators(

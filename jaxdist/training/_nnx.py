@@ -64,6 +64,7 @@ class StateCache:
         "nodes",
         "objects",
         "paths",
+        "probes",
         "snapshots",
         "state_treedef",
         "variables",
@@ -78,6 +79,12 @@ class StateCache:
         self.state_treedef = jax.tree.structure(state)
         flat = nnx.to_flat_state(state)
         self.paths = [_path_str(p) for p in flat.paths]
+        # (object index, index of its first variable), one per object with variables: the
+        # one value a donating step checks per object for deleted buffers.
+        firsts: dict[int, int] = {}
+        for i, path in enumerate(flat.paths):
+            firsts.setdefault(path[0], i)
+        self.probes = sorted(firsts.items())
         self.variables = list(flat.leaves)
         for path, var in zip(self.paths, self.variables, strict=True):
             value = var.get_raw_value()

@@ -107,12 +107,17 @@ def _dtypes(dtype: Any) -> tuple[Any, Any]:
 
 
 def _check_global_batch_size(value: Any) -> Any:
-    """``global_batch_size`` as a non-negative int (or a traced integer scalar)."""
+    """``global_batch_size`` as a non-negative int (or a traced integer scalar).
+
+    TF's order and error types: a non-scalar is a ``ValueError``, a scalar that is
+    not an integer (a float, a bool, a string) a ``TypeError`` (``assert_integer``),
+    a negative integer a ``ValueError``.
+    """
     where = "jaxdist.compute_average_loss"
     if isinstance(value, (bool, np.bool_)):
-        raise ValueError(
-            f"{where}: global_batch_size must be an integer, got {value!r}. Pass the number "
-            "of examples in the global batch, e.g. global_batch_size=64."
+        raise TypeError(
+            f"{where}: global_batch_size must be an integer, got {value!r} (bool). Pass the "
+            "number of examples in the global batch, e.g. global_batch_size=64."
         )
     if isinstance(value, (int, np.integer)):
         size = int(value)
@@ -125,7 +130,7 @@ def _check_global_batch_size(value: Any) -> Any:
                 "batch."
             )
         if not jnp.issubdtype(arr.dtype, jnp.integer):
-            raise ValueError(
+            raise TypeError(
                 f"{where}: global_batch_size must be an integer, got {value!r} (dtype "
                 f"{arr.dtype}). Pass the number of examples as an int, e.g. "
                 "global_batch_size=64."
@@ -213,8 +218,11 @@ def compute_average_loss(
 
     Raises:
         ValueError: for a scalar ``per_example_loss``, a ``global_batch_size``
-            that is not a non-negative integer scalar, or weights that do not
+            that is not a scalar or is negative, or weights that do not
             broadcast to the losses.
+        TypeError: for a scalar ``global_batch_size`` that is not an integer
+            (a float such as ``10.0``, a bool, a string), as TF's
+            ``assert_integer``.
         RuntimeError: in cross-replica context inside a strategy's scope
             (outside the replica function) when ``global_batch_size`` is
             ``None``.

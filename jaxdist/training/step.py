@@ -20,6 +20,9 @@ does), and:
 - With ``donate=True`` the buffers of the NNX state and of `TrainState`
   arguments are donated to the step (updated in place on the device); a
   donated `TrainState` must not be used after the call: use the one returned.
+  Passing one again raises a ``RuntimeError`` that names the argument (some
+  JAX releases end the process when a program is given a donated buffer), at
+  the cost of one ``is_deleted()`` per donated argument and call.
 
 The NNX graph is walked once per structure, not per call (see
 `jaxdist.training._nnx`): later calls read and write the variables directly.
@@ -28,6 +31,7 @@ The NNX graph is walked once per structure, not per call (see
 from __future__ import annotations
 
 import functools
+import inspect
 import operator
 from collections.abc import Callable
 from typing import Any
@@ -35,7 +39,7 @@ from typing import Any
 import jax
 
 from jaxdist._compile import Synced, replicated
-from jaxdist._jax_compat import is_tracer
+from jaxdist._jax_compat import concrete_array_type, is_tracer
 from jaxdist._programs import LoweredStep
 from jaxdist._scope import get_strategy
 from jaxdist.context import ReplicaContext
@@ -49,6 +53,7 @@ from jaxdist.variables import Variable
 __all__ = ["TrainStep", "train_step"]
 
 _NNX, _STATE, _OTHER = range(3)
+_ARRAY: Any = concrete_array_type()
 
 
 _LEAF_TYPES: dict[type, bool] = {}
@@ -219,10 +224,72 @@ class TrainStep:
             if cache is None or cache.unchanged(objects):
                 states, others = layout.split(leaves)
                 values = cache.read() if cache is not None else []
+                if self._donate:
+                    self._check_donated(states, cache, values, args, kwargs)
                 return strategy, layout, cache, program, values, states, others
-        return self._slow_prepare(strategy, leaves, treedef)
+        return self._slow_prepare(strategy, leaves, treedef, args, kwargs)
 
-    def _slow_prepare(self, strategy: Any, leaves: list[Any], treedef: Any) -> tuple[Any, ...]:
+    def _check_donated(
+        self,
+        states: list[Any],
+        cache: StateCache | None,
+        values: list[Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+    ) -> None:
+        """Raises if a donated argument holds buffers an earlier call donated: one
+        ``is_deleted()`` per `TrainState` and per NNX object. (Given a deleted buffer,
+        jax 0.10's multi-device CPU programs end the process instead of raising.)"""
+        for state in states:
+            probe = _probe(state)
+            if probe is not None and probe.is_deleted():
+                raise self._donated_error(
+                    state,
+                    "Its arrays were donated to an earlier call of this step, which reused "
+                    "their buffers for the state it returned",
+                    "Pass the state the previous call returned (`state, loss = step(state, "
+                    "batch)`); to keep an old state, copy it before the step "
+                    "(`jax.tree.map(jnp.copy, state)`)",
+                    args,
+                    kwargs,
+                )
+        if cache is not None:
+            for obj_index, var_index in cache.probes:
+                value = values[var_index]
+                if type(value) is _ARRAY and value.is_deleted():
+                    path = cache.paths[var_index].partition(".")[2]
+                    raise self._donated_error(
+                        cache.objects[obj_index],
+                        f"Its NNX variable {path} holds an array that an earlier call of this "
+                        "step donated (the step updates NNX objects in place; this array is "
+                        "from before that call, e.g. restored with nnx.update from a state "
+                        "saved before the step)",
+                        "Keep using the objects the step updated; to restore saved state, "
+                        "copy it when saving (`jax.tree.map(jnp.copy, nnx.state(model))`)",
+                        args,
+                        kwargs,
+                    )
+
+    def _donated_error(
+        self, obj: Any, detail: str, fix: str, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> RuntimeError:
+        name, where = _argument_label(self._fn, obj, args, kwargs)
+        kind = type(obj).__name__
+        label = f"`{name}` ({where}, {kind})" if name else f"{where} ({kind})"
+        return RuntimeError(
+            f"{self._where}: argument {label} was donated: use the state the step returned. "
+            f"{detail}. {fix}, or make the step with jaxdist.train_step(..., donate=False) "
+            "to keep its arguments."
+        )
+
+    def _slow_prepare(
+        self,
+        strategy: Any,
+        leaves: list[Any],
+        treedef: Any,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+    ) -> tuple[Any, ...]:
         if not isinstance(strategy, Strategy):
             raise TypeError(
                 f"{self._where}: strategy must be a jaxdist.Strategy, got "
@@ -242,6 +309,10 @@ class TrainStep:
             if cache is None or not cache.unchanged(objects):
                 cache = StateCache(objects, self._where)
                 self._caches = {ids: cache}  # one structure kept: the one in use
+        states, others = layout.split(leaves)
+        if self._donate:  # before placing: a donated buffer must not reach the program
+            self._check_donated(states, cache, [] if cache is None else cache.read(), args, kwargs)
+        if cache is not None:
             _place(strategy, cache)
         key = (strategy, layout.key(), None if cache is None else cache.graphdef)
         program = self._programs.get(key)
@@ -249,7 +320,6 @@ class TrainStep:
             program = _StepProgram(self._fn, strategy, layout, cache, self._donate, self._where)
             self._programs[key] = program
         self._last = (strategy, treedef, layout, cache, program)
-        states, others = layout.split(leaves)
         states = [_placed_state(strategy, s) for s in states]
         values = cache.read() if cache is not None else []
         return strategy, layout, cache, program, values, states, others
@@ -282,6 +352,47 @@ class TrainStep:
 
     def __repr__(self) -> str:
         return f"<jaxdist.train_step of {self._fn!r}>"
+
+
+def _probe(state: TrainState) -> Any:
+    """The array of ``state`` whose ``is_deleted()`` tells whether it was donated: its step
+    counter (no tree walk), else its first concrete array leaf; ``None`` when traced."""
+    step = state.step
+    if type(step) is _ARRAY:
+        return step
+    return next((x for x in jax.tree.leaves(state) if type(x) is _ARRAY), None)
+
+
+def _argument_label(
+    fn: Callable[..., Any], obj: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[str | None, str]:
+    """Where ``obj`` sits among a step's arguments: (the parameter's name when the signature
+    gives it, the path: ``args[0]``, ``kwargs['opt']``, or a path into either)."""
+    flat, _ = jax.tree_util.tree_flatten_with_path((args, kwargs), is_leaf=_is_state_node)
+    path = next((p for p, leaf in flat if leaf is obj), None)
+    if path is None or len(path) < 2:
+        return None, "?"
+    rest = jax.tree_util.keystr(tuple(path[2:]))
+    if getattr(path[0], "idx", None) == 1:  # a keyword argument
+        name = str(getattr(path[1], "key", "?"))
+        return name, f"kwargs[{name!r}]{rest}"
+    index = getattr(path[1], "idx", 0)
+    return _positional_name(fn, index), f"args[{index}]{rest}"
+
+
+def _positional_name(fn: Callable[..., Any], index: int) -> str | None:
+    """The name of the parameter of ``fn(ctx, *args)`` that ``args[index]`` binds, if any."""
+    try:
+        params = list(inspect.signature(fn).parameters.values())[1:]  # after ctx
+    except (TypeError, ValueError):
+        return None
+    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    for i, param in enumerate(params):
+        if param.kind not in positional:
+            return None
+        if i == index:
+            return param.name
+    return None
 
 
 def _place(strategy: Strategy, cache: StateCache) -> None:

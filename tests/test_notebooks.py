@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -117,7 +118,11 @@ def _require(*modules: str) -> list[Any]:
 
 
 def _kernel_manager(tmp_path: Path) -> Any:
-    """A kernel manager for a kernel on this interpreter, with 8 simulated CPU devices."""
+    """A kernel manager for a kernel on this interpreter, with 8 simulated CPU devices.
+
+    The kernel imports the jaxdist of this checkout (PYTHONPATH), not whichever one the
+    interpreter has installed: the kernel runs in ``tmp_path``, where an editable
+    install of another checkout would otherwise win."""
     from jupyter_client.kernelspec import KernelSpecManager
     from jupyter_client.manager import AsyncKernelManager
 
@@ -132,6 +137,9 @@ def _kernel_manager(tmp_path: Path) -> Any:
             "JAX_NUM_CPU_DEVICES": "8",
             "MPLBACKEND": "Agg",
             "PYDEVD_DISABLE_FILE_VALIDATION": "1",
+            "PYTHONPATH": os.pathsep.join(
+                filter(None, [str(NOTEBOOKS.parent), os.environ.get("PYTHONPATH")])
+            ),
         },
     }
     (spec_dir / "kernel.json").write_text(json.dumps(spec), encoding="utf-8")

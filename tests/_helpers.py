@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import json
+import os
 import socket
 import subprocess
 import sys
+from pathlib import Path
 from typing import Any
 
 import jax
@@ -90,3 +92,39 @@ def run_workers(code: str, processes: int = 2, timeout: float = 200) -> list[Any
             if p.poll() is None:
                 p.kill()
     return out
+
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def run_python(code: str, *args: str, timeout: float = 200, devices: int = 8) -> Any:
+    """Runs ``python -c code *args`` in a fresh process with ``devices`` simulated CPU
+    devices and this checkout's jaxdist; returns its last line of output parsed as JSON.
+
+    For code that can end the process (an XLA abort, a segmentation fault) or hang: the
+    test fails with the exit status and the stderr tail instead of taking pytest down."""
+    env = {
+        **os.environ,
+        "JAX_PLATFORMS": "cpu",
+        "JAX_NUM_CPU_DEVICES": str(devices),
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+    }
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-c", code, *args],
+            cwd=REPO,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
+    except subprocess.TimeoutExpired as e:
+        stderr = e.stderr.decode() if isinstance(e.stderr, bytes) else (e.stderr or "")
+        pytest.fail(f"the process did not finish in {timeout} s; stderr tail: {stderr[-3000:]}")
+    if proc.returncode != 0:
+        pytest.fail(
+            f"the process exited with status {proc.returncode} (negative: killed by that "
+            f"signal; -11 or 139: segmentation fault; -6: abort); stderr tail: "
+            f"{proc.stderr[-3000:]}"
+        )
+    return json.loads(proc.stdout.strip().splitlines()[-1])

@@ -8,13 +8,8 @@ fails one test instead of killing pytest.
 
 from __future__ import annotations
 
-import json
-import os
 import re
-import subprocess
-import sys
 import textwrap
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -25,9 +20,8 @@ from flax import nnx
 
 import jaxdist as jd
 
-from _helpers import strategy_params
+from _helpers import run_python, strategy_params
 
-REPO = Path(__file__).resolve().parents[1]
 RTOL = 1e-6
 DONATED = r"was donated: use the state the step returned"
 
@@ -237,24 +231,7 @@ _REUSE = textwrap.dedent(
 
 @pytest.mark.timeout(240)
 def test_reused_donated_state_raises_in_a_fresh_process() -> None:
-    env = {
-        **os.environ,
-        "JAX_PLATFORMS": "cpu",
-        "JAX_NUM_CPU_DEVICES": "8",
-        "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
-    }
-    proc = subprocess.run(
-        [sys.executable, "-c", _REUSE],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=200,
-    )
-    assert proc.returncode == 0, (
-        f"exit {proc.returncode} (139 or -11: segmentation fault); stderr: {proc.stderr[-3000:]}"
-    )
-    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    out = run_python(_REUSE)
     assert out["devices"] == 8
     assert re.search(r"argument `state` \(args\[0\], TrainState\) " + DONATED, out["state"])
     np.testing.assert_allclose(out["state_after"], np.full(3, -2.0), rtol=RTOL)  # 2 sgd steps

@@ -429,23 +429,24 @@ class DistributedIterator:
         where = "DistributedIterator.set_state"
         resumed = parse_state(where, state, len(self._producer.sources))
         with self._lock:
-            self._epoch = resumed.epoch
-            self._epochs.count = max(self._epochs.count, resumed.epoch)
-            if not self._producer.seekable and self._returned <= resumed.batches:
-                drop = resumed.batches - self._returned
-                if drop:
-                    self._warn_skip(drop)
-                self._drop(drop)
-                self._returned = resumed.batches
-                return
-            if not self._producer.seekable and self._one_shot:
+            seekable, ahead = self._producer.seekable, self._returned <= resumed.batches
+            if not seekable and not ahead and self._one_shot:
                 raise ValueError(
                     f"{where}: the state is at batch {resumed.batches} of its epoch, but this "
                     f"iterator has returned {self._returned} batches of a source that can be "
                     "iterated only once (an iterator or generator object), which cannot go "
                     "back. Call set_state on a new iterator over a new source."
                 )
-            if not self._producer.seekable and resumed.batches:
+            self._epoch = resumed.epoch
+            self._epochs.count = max(self._epochs.count, resumed.epoch)
+            if not seekable and ahead:  # read on to the position
+                drop = resumed.batches - self._returned
+                if drop:
+                    self._warn_skip(drop)
+                self._drop(drop)
+                self._returned = resumed.batches
+                return
+            if not seekable and resumed.batches:  # a new pass over the source
                 self._warn_skip(resumed.batches)
             self._stop_thread()
             batcher = self._make_batcher()

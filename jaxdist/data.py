@@ -43,12 +43,35 @@ class ArrayDataset:
             return self.num_rows // self.batch_size
         return math.ceil(self.num_rows / self.batch_size)
 
+    @property
+    def next_epoch(self) -> int:
+        """The epoch (0-based) whose order the next ``iter()`` reads."""
+        return self._epoch
+
     def __iter__(self) -> Iterator[Any]:
+        epoch = self._epoch
+        self._epoch += 1
+        return self._epoch_batches(epoch, 0)
+
+    def epoch_batches(self, epoch: int, start: int = 0) -> Iterator[Any]:
+        """Epoch ``epoch``'s batches (its shuffled order) from batch ``start`` on; the next
+        ``iter()`` reads epoch ``epoch + 1``. Resuming a stopped epoch costs nothing.
+
+        Example:
+            >>> import numpy as np, jaxdist as jd
+            >>> ds = jd.data.from_arrays(np.arange(6), batch_size=2, shuffle=True, seed=1)
+            >>> first, second = list(ds), list(ds)
+            >>> [b.tolist() for b in ds.epoch_batches(1, start=2)] == [second[2].tolist()]
+            True
+        """
+        self._epoch = epoch + 1
+        return self._epoch_batches(epoch, start)
+
+    def _epoch_batches(self, epoch: int, start: int) -> Iterator[Any]:
         order = None
         if self.shuffle:
-            order = np.random.default_rng((self.seed, self._epoch)).permutation(self.num_rows)
-        self._epoch += 1
-        for i in range(len(self)):
+            order = np.random.default_rng((self.seed, epoch)).permutation(self.num_rows)
+        for i in range(start, len(self)):
             lo, hi = i * self.batch_size, min((i + 1) * self.batch_size, self.num_rows)
             if order is None:
                 batch = [x[lo:hi] for x in self._leaves]

@@ -52,7 +52,8 @@ closed iterator's thread stops waiting within `_SLICE_S`.
 
 Keys live under ``jaxdist/input/<dataset>/<epoch>/``: ``<dataset>`` counts the
 datasets that agree, so every process must create them in the same order (as
-TF assumes), and ``<epoch>`` the dataset's iterators. They do not pile up: the
+TF assumes), and ``<epoch>`` the dataset's iterators (``<epoch>.<k>`` for the
+``k``-th iterator moved by ``set_state``, which every process moves alike). They do not pile up: the
 process that completes block ``k`` deletes block ``k - 1`` (every process has
 read it, since every process reached block ``k``), and the last process to
 leave an epoch (at its end, on an error, or when its iterator is closed)
@@ -120,8 +121,12 @@ class StepSync:
     where: str
     timeout_s: float
 
-    def epoch(self, epoch: int, stop: threading.Event) -> EpochAgreement:
-        return EpochAgreement(self, epoch, stop)
+    def epoch(
+        self, epoch: int, stop: threading.Event, *, restart: int = 0, first_step: int = 0
+    ) -> EpochAgreement:
+        """The agreement of iterator ``epoch``; ``restart`` numbers an iterator moved by
+        ``set_state`` (its keys are its own), which starts at step ``first_step``."""
+        return EpochAgreement(self, epoch, stop, restart=restart, first_step=first_step)
 
 
 def step_sync(strategy: StrategyLike, layout: Layout, where: str) -> StepSync | None:
@@ -179,13 +184,21 @@ def _names(processes: list[int]) -> str:
 class EpochAgreement:
     """The block-by-block agreement of one epoch (one iterator) among the job's processes."""
 
-    def __init__(self, sync: StepSync, epoch: int, stop: threading.Event) -> None:
+    def __init__(
+        self,
+        sync: StepSync,
+        epoch: int,
+        stop: threading.Event,
+        *,
+        restart: int = 0,
+        first_step: int = 0,
+    ) -> None:
         self.sync = sync
         self.epoch = epoch
         self.stop = stop
         self.block = 0
-        self.step = 0  # the epoch's first step in this block
-        self._prefix = f"{sync.prefix}/{epoch}"
+        self.step = first_step  # the epoch's first step in this block
+        self._prefix = f"{sync.prefix}/{epoch}" + (f".{restart}" if restart else "")
         self._left = False
         self._client = _client()
 

@@ -184,6 +184,19 @@ class Batcher:
             contiguous = self._wanted == list(range(lo, lo + count))
             self._pick = slice(lo, lo + count) if contiguous else self._wanted
 
+    @property
+    def first_rows(self) -> int | None:
+        """The rows of the epoch's first global batch (None before it, or for per-replica
+        batches)."""
+        return self._first_rows or None
+
+    def resume(self, rows_per_replica: int, first_rows: int | None, batches: int) -> None:
+        """Takes the per-replica size an earlier run's first batch fixed, for an epoch that
+        resumes after ``batches`` batches (so its last batch is padded as before)."""
+        self.b = rows_per_replica
+        self._first_rows = first_rows or 0
+        self._batches = batches
+
     # Checks -----------------------------------------------------------------------
 
     def leaves(self, batch: Any, *, per_replica: bool) -> list[np.ndarray]:

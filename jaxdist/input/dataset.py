@@ -45,15 +45,14 @@ import time
 import warnings
 import weakref
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, Protocol
 
 from jaxdist.input.agreement import BLOCK, StepSync, agreed
 from jaxdist.input.batching import Batcher, HostBatch
 from jaxdist.input.host_pool import HostPool
+from jaxdist.input.position import Position, make_state, parse_state
 
 __all__ = ["DistributedDataset", "DistributedIterator", "OptionalValue"]
-
-Producer = Callable[[Batcher], Iterator[HostBatch]]
 
 _END = object()
 _WAKE = 0  # a credit that only wakes a prefetch thread (to see its stop flag)
@@ -184,34 +183,78 @@ def _fill(host: Iterator[HostBatch], out: queue.SimpleQueue[Any], signal: _Signa
         out.put(last)
 
 
+class Producer(Protocol):
+    """Makes an epoch's host batches (private): from ``position`` on, recording there the
+    epochs of the ``sources`` it read; ``seekable`` when every source can start anywhere."""
+
+    sources: list[Any]
+    seekable: bool
+
+    def __call__(self, batcher: Batcher, position: Position) -> Iterator[HostBatch]: ...
+
+
+class Epochs:
+    """A dataset's count of iterators (epochs) and of iterators moved by ``set_state``,
+    shared with its iterators (private)."""
+
+    __slots__ = ("count", "moves")
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.moves = 0
+
+
 class DistributedIterator:
     """Yields one distributed batch per step: a pytree with `PerReplica` leaves.
 
     Each leaf has shape ``(N, b, ...)`` (replica ``r`` owns row ``r``) and
     carries the batch's valid-row counts (``PerReplica.valid``); only a last,
     partial batch has padding.
+
+    `get_state` / `set_state` save and restore the iterator's position (see
+    `jaxdist.input.position`): a new iterator over the same source given a
+    saved state yields exactly the batches the saved one had not returned.
     """
 
     def __init__(
         self,
         producer: Producer,
-        batcher: Batcher,
+        make_batcher: Callable[[], Batcher],
         *,
         threaded: bool = True,
         sync: StepSync | None = None,
         epoch: int = 0,
+        epochs: Epochs | None = None,
+        one_shot: bool = False,
     ) -> None:
         self._lock = threading.Lock()  # consumers in several threads take turns
+        self._producer = producer
+        self._make_batcher = make_batcher
+        self._threaded = threaded
+        self._sync = sync
+        self._epoch = epoch
+        self._epochs = epochs if epochs is not None else Epochs()
+        self._one_shot = one_shot
+        self._returned = 0  # batches of this epoch returned to the caller
+        self._thread: _HostThread | None = None
+        self._start(Position())
+
+    def _start(self, position: Position, batcher: Batcher | None = None, move: int = 0) -> None:
+        """Starts reading the epoch at ``position`` (a fresh batcher unless given); ``move``
+        numbers a start moved by `set_state` (its agreement between processes is new)."""
+        batcher = batcher if batcher is not None else self._make_batcher()
         self._batcher = batcher
         self._peeked: Any = _END
         self._done = False
         self._exhausted = False  # the source has nothing more (or failed)
         self._ahead: collections.deque[Any] = collections.deque()
         self._buffer = batcher.options.experimental_per_replica_buffer_size
-        host = producer(batcher)
+        host = self._producer(batcher, position)
+        self._position = position  # with the sources' epochs filled in
         self._host: Iterator[HostBatch] | None = None
-        self._thread: _HostThread | None = None
-        if threaded or sync is not None:
+        self._thread = None
+        sync = self._sync
+        if self._threaded or sync is not None:
             signal = _Signal()
             depth = max(HOST_QUEUE, self._buffer)
             # Host copies in flight: queued, in the making, placed ahead, being transferred
@@ -221,7 +264,10 @@ class DistributedIterator:
             # the source is asked for the next (which may refill that memory).
             host = map(pool.owned, host)
             if sync is not None:  # processes with their own sources end on the same step
-                host = agreed(host, batcher, sync.epoch(epoch, signal.stop))
+                agreement = sync.epoch(
+                    self._epoch, signal.stop, restart=move, first_step=position.skip
+                )
+                host = agreed(host, batcher, agreement)
             self._thread = _HostThread(host, depth, signal)
             weakref.finalize(self, self._thread.signal)
         else:
@@ -291,12 +337,14 @@ class DistributedIterator:
         with self._lock:
             if self._peeked is not _END:
                 item, self._peeked = self._peeked, _END
+                self._returned += 1
                 return item
             item = self._pull()
             if self._batcher.pending:
                 self._warn()
-        if item is _END:
-            raise StopIteration
+            if item is _END:
+                raise StopIteration
+            self._returned += 1
         return item
 
     def get_next(self) -> Any:
@@ -320,6 +368,129 @@ class DistributedIterator:
                 if self._peeked is _END:
                     raise ValueError("DistributedIterator.element_spec: the dataset is empty.")
             return self._batcher.spec(self._peeked)
+
+    # Position ------------------------------------------------------------------------
+
+    def get_state(self) -> dict[str, Any]:
+        """The iterator's position as a small JSON-able dict (grain's name).
+
+        The position is after the batches returned to the caller; batches
+        prefetched but not returned are not counted. In a job of several
+        processes each process's iterator has its own state.
+
+        Example:
+            >>> import numpy as np, jaxdist as jd
+            >>> strategy = jd.MirroredStrategy()
+            >>> ds = jd.data.from_arrays(np.arange(32.0), batch_size=8, shuffle=True)
+            >>> it = iter(strategy.experimental_distribute_dataset(ds))
+            >>> _ = next(it)
+            >>> state = it.get_state()
+            >>> rest = [strategy.gather(b, axis=0).tolist() for b in it]
+            >>> again = iter(strategy.experimental_distribute_dataset(
+            ...     jd.data.from_arrays(np.arange(32.0), batch_size=8, shuffle=True)))
+            >>> again.set_state(state)
+            >>> [strategy.gather(b, axis=0).tolist() for b in again] == rest
+            True
+        """
+        with self._lock:
+            batcher = self._batcher
+            known = self._returned > 0 and batcher.b is not None
+            return make_state(
+                epoch=self._epoch,
+                batches=self._returned,
+                source_epochs=self._position.epochs,
+                rows_per_replica=batcher.b if known else None,
+                first_rows=batcher.first_rows if known else None,
+            )
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        """Moves the iterator to a position `get_state` returned (here or in an earlier
+        run), so that it yields exactly the batches not returned before, in the same order.
+
+        The state applies to an iterator of a dataset over the same source with
+        the same shuffling seed, made the same way (``iter()`` of
+        `Strategy.experimental_distribute_dataset` or
+        `Strategy.distribute_datasets_from_function`); the dataset's next
+        ``iter()`` then starts the epoch after the state's. A
+        `jaxdist.data.from_arrays` dataset, a list or a tuple of batches start
+        at the position directly. Another source (a generator,
+        `jaxdist.data.from_generator`, grain, tf.data) cannot seek: the batches
+        before the position are read and dropped, with a ``UserWarning``, which
+        is exact only when the source yields the same batches in the same order
+        as in the run that saved the state; a generator that already went past
+        the position cannot go back (``ValueError``). In a job of several
+        processes every process moves its own iterator, at the same step.
+
+        Raises:
+            ValueError: ``state`` is not such a state, was saved by another
+                process or for another kind of dataset, or lies behind a
+                one-shot source's current position.
+        """
+        where = "DistributedIterator.set_state"
+        resumed = parse_state(where, state, len(self._producer.sources))
+        with self._lock:
+            seekable, ahead = self._producer.seekable, self._returned <= resumed.batches
+            if not seekable and not ahead and self._one_shot:
+                raise ValueError(
+                    f"{where}: the state is at batch {resumed.batches} of its epoch, but this "
+                    f"iterator has returned {self._returned} batches of a source that can be "
+                    "iterated only once (an iterator or generator object), which cannot go "
+                    "back. Call set_state on a new iterator over a new source."
+                )
+            self._epoch = resumed.epoch
+            self._epochs.count = max(self._epochs.count, resumed.epoch)
+            if not seekable and ahead:  # read on to the position
+                drop = resumed.batches - self._returned
+                if drop:
+                    self._warn_skip(drop)
+                self._drop(drop)
+                self._returned = resumed.batches
+                return
+            if not seekable and resumed.batches:  # a new pass over the source
+                self._warn_skip(resumed.batches)
+            self._stop_thread()
+            batcher = self._make_batcher()
+            if resumed.rows_per_replica is not None:
+                batcher.resume(resumed.rows_per_replica, resumed.first_rows, resumed.batches)
+            self._epochs.moves += 1
+            position = Position(skip=resumed.batches, epochs=resumed.source_epochs)
+            self._start(position, batcher, move=self._epochs.moves)
+            self._returned = resumed.batches
+
+    def _warn_skip(self, count: int) -> None:
+        kinds = ", ".join(sorted({type(s).__name__ for s in self._producer.sources}))
+        warnings.warn(
+            f"DistributedIterator.set_state: the dataset's source ({kinds}) cannot seek, so "
+            f"the {count} batches before the saved position are read and dropped. Resuming "
+            "is exact only if the source yields the same batches in the same order as in "
+            "the run that saved the state. Sources that seek: jaxdist.data.from_arrays, "
+            "lists and tuples of batches.",
+            UserWarning,
+            stacklevel=3,
+        )
+
+    def _drop(self, count: int) -> None:
+        """Drops the next ``count`` batches (host batches where not yet placed)."""
+        while count and self._peeked is not _END:
+            self._peeked, count = _END, count - 1
+        while count and self._ahead and type(self._ahead[0]) is not _Failure:
+            self._ahead.popleft()
+            count -= 1
+        while count and not self._exhausted:
+            item: Any = self._from_thread(block=True) if self._host is None else None
+            if self._host is not None:
+                item = next(self._host, _END)
+            if item is _END or type(item) is _Failure:
+                self._exhausted = True
+                if item is not _END:
+                    self._ahead.append(item)
+                return
+            count -= 1
+
+    def _stop_thread(self) -> None:
+        if self._thread is not None:
+            self._thread.signal()
+            self._thread = None
 
     def close(self) -> None:
         """Stops the prefetch thread (also done when the iterator is garbage collected); a
@@ -355,7 +526,7 @@ class DistributedDataset:
         self._make_batcher = make_batcher
         self._threaded = threaded
         self._one_shot = one_shot  # why a second iter() fails, for a one-shot source
-        self._epochs = 0
+        self._epochs = Epochs()  # shared with the iterators (set_state renumbers the epochs)
         self._started: DistributedIterator | None = None  # made by element_spec, not handed out
         self._spec: Any = None
 
@@ -363,15 +534,17 @@ class DistributedDataset:
         if self._started is not None:
             it, self._started = self._started, None
             return it
-        if self._one_shot is not None and self._epochs:
+        if self._one_shot is not None and self._epochs.count:
             raise RuntimeError(self._one_shot)
-        self._epochs += 1
+        self._epochs.count += 1
         return DistributedIterator(
             self._producer,
-            self._make_batcher(),
+            self._make_batcher,
             threaded=self._threaded,
             sync=self._sync,
-            epoch=self._epochs,
+            epoch=self._epochs.count,
+            epochs=self._epochs,
+            one_shot=self._one_shot is not None,
         )
 
     def reduce(self, initial_state: Any, reduce_func: Callable[[Any, Any], Any]) -> Any:

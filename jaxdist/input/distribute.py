@@ -27,11 +27,70 @@ from jaxdist.input.options import (
     InputOptions,
     InputReplicationMode,
 )
+from jaxdist.input.position import Position, open_source, seekable
 
 _REITERABLE = (
     "a list of batches, jaxdist.data.from_arrays(...), or jaxdist.data.from_generator(fn) "
     "with a function fn that returns a new generator for each epoch"
 )
+
+
+class _GlobalBatches:
+    """The producer of `distribute_dataset`: the source's global batches, split on the host."""
+
+    def __init__(self, dataset: Any) -> None:
+        self.sources = [dataset]
+        self.seekable = seekable(dataset)
+
+    def __call__(self, batcher: Batcher, position: Position) -> Iterator[HostBatch]:
+        epoch = position.epochs[0] if position.epochs else None
+        source, used = open_source(self.sources[0], _iterate, epoch, position.skip)
+        position.epochs = [used]
+        # Host batches, less those the partial-batch policy drops (None); map and filter
+        # iterate in C, with no generator frame per batch.
+        return filter(None, map(batcher.from_global, source))
+
+
+class _PipelineBatches:
+    """The producer of `distribute_from_function`: per-replica batches from the pipelines
+    ``dataset_fn`` returned, one per local replica (``per_replica``) or one in all, whose
+    consecutive elements feed the ``n_local`` replicas in turn."""
+
+    def __init__(self, datasets: list[Any], *, per_replica: bool, n_local: int) -> None:
+        self.sources = datasets
+        self.seekable = all(seekable(ds) for ds in datasets)
+        self.per_replica = per_replica
+        self.n_local = n_local
+
+    def __call__(self, batcher: Batcher, position: Position) -> Iterator[HostBatch]:
+        per_step = 1 if self.per_replica else self.n_local  # elements of a pipeline per step
+        its, used = [], []
+        for i, ds in enumerate(self.sources):
+            epoch = position.epochs[i] if position.epochs else None
+            it, epoch_used = open_source(ds, _iterate, epoch, position.skip * per_step)
+            its.append(it)
+            used.append(epoch_used)
+        position.epochs = used
+        return self._steps(batcher, its)
+
+    def _steps(self, batcher: Batcher, its: list[Iterator[Any]]) -> Iterator[HostBatch]:
+        n_local = self.n_local
+        while True:
+            if self.per_replica:
+                elements = [next(it, None) for it in its]
+            else:  # consecutive elements of the one pipeline feed the replicas in turn
+                elements = []
+                for _ in range(n_local):
+                    e = next(its[0], None)
+                    if e is None:
+                        break
+                    elements.append(e)
+                elements += [None] * (n_local - len(elements))
+            if all(e is None for e in elements):
+                return
+            host = batcher.from_per_replica(elements)
+            if host is not None:
+                yield host
 
 
 def _check_options(options: Any, where: str, layout: Layout) -> InputOptions:
@@ -100,12 +159,6 @@ def distribute_dataset(strategy: StrategyLike, dataset: Any, options: Any) -> Di
         )
 
     threaded = not _in_memory(dataset)
-
-    def producer(batcher: Batcher) -> Iterator[HostBatch]:
-        # Host batches, less those the partial-batch policy drops (None); map and filter
-        # iterate in C, with no generator frame per batch.
-        return filter(None, map(batcher.from_global, _iterate(dataset)))
-
     one_shot = None
     if _one_shot(dataset):
         one_shot = (
@@ -117,7 +170,7 @@ def distribute_dataset(strategy: StrategyLike, dataset: Any, options: Any) -> Di
     # OFF: each process reads its own source, whose length may differ from the others'.
     per_process = options.experimental_auto_shard_policy is AutoShardPolicy.OFF
     return DistributedDataset(
-        producer,
+        _GlobalBatches(dataset),
         lambda: Batcher(strategy, options, where, layout, shared),
         threaded=threaded,
         one_shot=one_shot,
@@ -146,27 +199,6 @@ def distribute_from_function(
         ds = dataset_fn(ctx)
         _check_source(ds, f"{where} (the dataset returned by dataset_fn)")
         datasets.append(ds)
-    n_local = len(layout.local)
-
-    def producer(batcher: Batcher) -> Iterator[HostBatch]:
-        its = [_iterate(ds) for ds in datasets]
-        while True:
-            if per_replica_mode:
-                elements = [next(it, None) for it in its]
-            else:  # consecutive elements of the one pipeline feed the replicas in turn
-                elements = []
-                for _ in range(n_local):
-                    e = next(its[0], None)
-                    if e is None:
-                        break
-                    elements.append(e)
-                elements += [None] * (n_local - len(elements))
-            if all(e is None for e in elements):
-                return
-            host = batcher.from_per_replica(elements)
-            if host is not None:
-                yield host
-
     one_shot = None
     shot = next((ds for ds in datasets if _one_shot(ds)), None)
     if shot is not None:
@@ -177,7 +209,7 @@ def distribute_from_function(
         )
     shared = Shared(strategy)
     return DistributedDataset(
-        producer,
+        _PipelineBatches(datasets, per_replica=per_replica_mode, n_local=len(layout.local)),
         lambda: Batcher(strategy, options, where, layout, shared),
         threaded=not all(_in_memory(ds) for ds in datasets),
         one_shot=one_shot,

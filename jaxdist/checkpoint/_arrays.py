@@ -1,4 +1,5 @@
-"""Saving and restoring strategy-placed state, with tf.distribute's variable semantics.
+"""Saving and restoring strategy-placed state, with tf.distribute's variable semantics
+(private module; the names are public through `jaxdist.checkpoint`).
 
 `to_saveable` turns a state pytree into plain host arrays: a mirrored
 variable saves its value, an ``ON_READ`` variable its aggregate (the sum of
@@ -20,6 +21,17 @@ checkpoint whose keys were renamed, or that lacks or adds entries, raises
 - never a float into an integer, a complex into a real, anything into bool,
   or a float into a narrower 16-bit type (cast the checkpoint yourself);
 - a string only into a string, and nothing else into one.
+
+Templates without values. A `jax.ShapeDtypeStruct` leaf of the template
+stands for an array of that shape and dtype: the restored array goes to the
+struct's ``sharding`` when it has one, else where the enclosing scope's
+strategy keeps a mirrored variable (replicated on its devices; on the
+parameter device of a `CentralStorageStrategy`). A template array that is
+not committed to a device gives an uncommitted array, like it.
+
+Random keys. A typed key array (``jax.random.key``) is saved as its key data
+(``jax.random.key_data``, ``uint32``) and restored into a template key array
+with the template's implementation.
 
 Replica counts. A variable's checkpoint holds one value, so it restores
 under any replica count: ``ON_WRITE`` variables take it; ``ON_READ`` ``SUM``
@@ -62,8 +74,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxdist._dtypes import lossy_cast, numeric
+from jaxdist._scope import get_strategy
 from jaxdist.values import DistributedValues, Mirrored, PerReplica
 from jaxdist.variables import Variable
+from jaxdist.variables._meta import _mirrored_sharding
 
 __all__ = ["MANIFEST", "from_saveable", "restore", "save", "to_saveable"]
 
@@ -79,11 +93,19 @@ def is_saved_node(x: Any) -> bool:
     return isinstance(x, (Variable, DistributedValues))
 
 
+def _is_key(x: Any) -> bool:
+    """True for a typed random key array (or a struct of one)."""
+    dtype = getattr(x, "dtype", None)
+    return dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
+
+
 def _saved_value(x: Any) -> Any:
     if isinstance(x, Variable):
         return np.asarray(x._checkpoint_value())
     if isinstance(x, DistributedValues):
         return np.asarray(x.array)
+    if isinstance(x, jax.Array) and _is_key(x):
+        return np.asarray(jax.random.key_data(x))
     return np.asarray(x)
 
 
@@ -226,9 +248,16 @@ def _restore_leaf(where: str, name: str, saved: Any, t: Any) -> Any:
     if isinstance(t, Mirrored):
         _check_leaf(where, name, s, t.shape, t.dtype, "the template's Mirrored value")
         return Mirrored(jax.device_put(s.astype(t.dtype), t.array.sharding))
+    if isinstance(t, jax.Array) and _is_key(t):
+        data = jax.random.key_data(t)
+        _check_leaf(where, name, s, data.shape, data.dtype, "the template's random key data")
+        placed = _put_like(s.astype(data.dtype), data)
+        return jax.random.wrap_key_data(placed, impl=jax.random.key_impl(t))
     if isinstance(t, jax.Array):
         _check_leaf(where, name, s, t.shape, t.dtype, "the template's array")
-        return jax.device_put(s.astype(t.dtype), t.sharding)
+        return _put_like(s.astype(t.dtype), t)
+    if isinstance(t, jax.ShapeDtypeStruct):
+        return _restore_struct(where, name, s, t)
     if isinstance(t, (np.ndarray, np.generic)):
         _check_leaf(where, name, s, t.shape, t.dtype, "the template's array")
         return s.astype(t.dtype) if isinstance(t, np.ndarray) else t.dtype.type(s)
@@ -244,6 +273,27 @@ def _restore_leaf(where: str, name: str, saved: Any, t: Any) -> Any:
             )
         return s.item() if s.dtype.kind == "U" else s.item().decode()
     return saved  # not an array or a string: kept as saved
+
+
+def _put_like(x: np.ndarray, template: jax.Array) -> jax.Array:
+    """``x`` placed like ``template``: on its sharding, or uncommitted like it."""
+    if getattr(template, "committed", True):
+        return jax.device_put(x, template.sharding)
+    return jax.device_put(x)
+
+
+def _restore_struct(where: str, name: str, s: np.ndarray, t: jax.ShapeDtypeStruct) -> Any:
+    """A saved array for a `jax.ShapeDtypeStruct` leaf: on its sharding, or mirrored on the
+    enclosing scope's strategy."""
+    if _is_key(t):
+        raise ValueError(
+            f"{where}: {name} is a jax.ShapeDtypeStruct of the random key dtype {t.dtype}; "
+            "its key implementation cannot be read from a struct. Give a key array there "
+            "(e.g. jax.random.key(0)), whose implementation the restored key takes."
+        )
+    _check_leaf(where, name, s, t.shape, t.dtype, "the template's jax.ShapeDtypeStruct")
+    sharding = t.sharding if t.sharding is not None else _mirrored_sharding(get_strategy())
+    return jax.device_put(s.astype(t.dtype), sharding)
 
 
 def _restore_tree(where: str, saved: Any, template: Any) -> Any:
@@ -281,7 +331,8 @@ def from_saveable(saved: Any, template: Any) -> Any:
         template: the state to restore into, with the structure and names of
             the saved state; its variables (created in the target strategy's
             scope) give synchronization, aggregation and placement, its other
-            leaves shape, dtype and placement.
+            leaves shape, dtype and placement (a `jax.ShapeDtypeStruct` leaf:
+            its sharding, or mirrored on the enclosing scope's strategy).
 
     Returns:
         ``template`` with the saved values.

@@ -1,0 +1,226 @@
+"""`CheckpointManager`: numbered checkpoints in one directory, the last few kept (TF's).
+
+Entries are directories ``<directory>/<checkpoint_name>-<N>``, each a whole
+`Checkpoint` written under a temporary name and renamed into place when
+complete (a process killed during a save leaves the previous entries as they
+were, and its temporary directory is removed by the next save). Deleting an
+old entry renames it away first, so a half-deleted entry is never listed.
+
+The manager's state (its entries, oldest first) is recorded in
+``jaxdist_checkpoints.json`` in the directory, so a new manager over the same
+directory (after a restart) manages the same entries; complete entries on
+disk that the record lacks (a save interrupted between its rename and the
+record's update) are added after the recorded ones, by number.
+
+Left out of TF's ``tf.train.CheckpointManager``: ``keep_checkpoint_every_n_hours``,
+``step_counter`` / ``checkpoint_interval`` (save when you want a checkpoint)
+and save ``options``.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from jaxdist.checkpoint import _files
+from jaxdist.checkpoint._checkpoint import Checkpoint
+
+__all__ = ["CheckpointManager"]
+
+STATE = "jaxdist_checkpoints.json"
+_FORMAT = "jaxdist-checkpoint-manager"
+_CHECKPOINT_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.]*$")
+
+
+class CheckpointManager:
+    """Saves numbered checkpoints of a `Checkpoint` into a directory, keeping the newest.
+
+    Args:
+        checkpoint: the `Checkpoint` to save and restore.
+        directory: where the checkpoints go (created on the first save).
+        max_to_keep: how many checkpoints to keep, the newest; ``None`` keeps
+            all. Older ones are deleted right after a save.
+        checkpoint_name: the entries' name before ``-<N>``.
+        init_fn: called by `restore_or_initialize` when there is no
+            checkpoint to restore.
+
+    A manager over a directory that already holds checkpoints (a restarted
+    job) takes them over: `latest_checkpoint` is the newest, and the next
+    save deletes the oldest beyond ``max_to_keep``. Only one manager should
+    write into a directory at a time. In a job of several processes every
+    process makes the manager and calls `save` at the same step; process 0
+    writes the directory's metadata and renames and deletes the entries.
+
+    Example:
+        >>> import os, tempfile, jax.numpy as jnp, jaxdist as jd
+        >>> ckpt = jd.checkpoint.Checkpoint(step=jnp.int32(0))
+        >>> manager = jd.checkpoint.CheckpointManager(ckpt, tempfile.mkdtemp(), max_to_keep=2)
+        >>> manager.restore_or_initialize() is None  # nothing saved yet
+        True
+        >>> for step in range(1, 4):
+        ...     ckpt.step = jnp.int32(step)
+        ...     _ = manager.save()
+        >>> [os.path.basename(p) for p in manager.checkpoints]
+        ['ckpt-2', 'ckpt-3']
+        >>> os.path.basename(manager.restore_or_initialize()), int(ckpt.step)
+        ('ckpt-3', 3)
+    """
+
+    def __init__(
+        self,
+        checkpoint: Checkpoint,
+        directory: str | os.PathLike[str],
+        max_to_keep: int | None = 1,
+        *,
+        checkpoint_name: str = "ckpt",
+        init_fn: Callable[[], Any] | None = None,
+    ) -> None:
+        where = "jaxdist.checkpoint.CheckpointManager"
+        if not isinstance(checkpoint, Checkpoint):
+            raise TypeError(
+                f"{where}: checkpoint must be a jaxdist.checkpoint.Checkpoint, got "
+                f"{type(checkpoint).__name__}. Wrap the state: "
+                "CheckpointManager(jd.checkpoint.Checkpoint(model=model, ...), directory)."
+            )
+        if max_to_keep is not None and (
+            isinstance(max_to_keep, bool) or not isinstance(max_to_keep, int) or max_to_keep < 1
+        ):
+            raise ValueError(
+                f"{where}: max_to_keep must be a positive int or None (keep all), got "
+                f"{max_to_keep!r}."
+            )
+        if not isinstance(checkpoint_name, str) or not _CHECKPOINT_NAME.match(checkpoint_name):
+            raise ValueError(
+                f"{where}: checkpoint_name must be letters, digits, '_' and '.', got "
+                f"{checkpoint_name!r}."
+            )
+        if init_fn is not None and not callable(init_fn):
+            raise TypeError(f"{where}: init_fn must be callable, got {type(init_fn).__name__}.")
+        self._checkpoint = checkpoint
+        self._directory = os.path.abspath(os.fspath(directory))
+        self._max_to_keep = max_to_keep
+        self._name = checkpoint_name
+        self._init_fn = init_fn
+        self._entry = re.compile(rf"^{re.escape(checkpoint_name)}-(\d+)$")
+        self._entries = self._recover()
+
+    # State ------------------------------------------------------------------------------
+
+    def _recover(self) -> list[str]:
+        """The complete entries on disk, in the recorded order, then the unrecorded ones."""
+        if not os.path.isdir(self._directory):
+            return []
+        on_disk = {
+            n
+            for n in os.listdir(self._directory)
+            if self._entry.match(n) and os.path.isdir(os.path.join(self._directory, n))
+        }
+        recorded: list[str] = []
+        state_file = os.path.join(self._directory, STATE)
+        if os.path.exists(state_file):
+            try:
+                body = _files.read_json("CheckpointManager", state_file, "the manager's record")
+                if not isinstance(body, dict) or body.get("format") != _FORMAT:
+                    raise ValueError(f"{state_file} is not a CheckpointManager record")
+                recorded = [str(n) for n in body["checkpoints"]]
+            except (ValueError, KeyError, TypeError) as e:
+                warnings.warn(
+                    f"jaxdist.checkpoint.CheckpointManager: ignoring its record in "
+                    f"{self._directory} ({e}); the checkpoints there are taken in the order "
+                    "of their numbers.",
+                    UserWarning,
+                    stacklevel=3,
+                )
+        kept = [n for n in recorded if n in on_disk]
+        rest = sorted(on_disk - set(kept), key=lambda n: int(n.rsplit("-", 1)[1]))
+        return kept + rest
+
+    def _record(self) -> None:
+        body = {"format": _FORMAT, "version": 1, "checkpoints": list(self._entries)}
+        _files.write_json(os.path.join(self._directory, STATE), body)
+
+    # Properties -------------------------------------------------------------------------
+
+    @property
+    def checkpoint(self) -> Checkpoint:
+        """The `Checkpoint` this manager saves."""
+        return self._checkpoint
+
+    @property
+    def directory(self) -> str:
+        """The directory of the checkpoints (absolute)."""
+        return self._directory
+
+    @property
+    def latest_checkpoint(self) -> str | None:
+        """The path of the most recently saved checkpoint, or None when there is none."""
+        return os.path.join(self._directory, self._entries[-1]) if self._entries else None
+
+    @property
+    def checkpoints(self) -> list[str]:
+        """The paths of the managed checkpoints, oldest first."""
+        return [os.path.join(self._directory, n) for n in self._entries]
+
+    # Saving and restoring ---------------------------------------------------------------
+
+    def save(self, checkpoint_number: Any = None) -> str:
+        """Saves the checkpoint as ``<checkpoint_name>-<N>`` and deletes the oldest beyond
+        ``max_to_keep``.
+
+        ``N`` is ``checkpoint_number`` when given (an int, or an integer scalar
+        such as a step counter), else the checkpoint's `save_counter`, which
+        every save increments either way (as in TF). Saving a number that
+        exists replaces that checkpoint, which becomes the newest.
+
+        Returns:
+            The path of the new checkpoint.
+        """
+        ckpt = self._checkpoint
+        object.__setattr__(ckpt, "_save_counter", ckpt.save_counter + 1)
+        number = ckpt.save_counter if checkpoint_number is None else _number(checkpoint_number)
+        name = f"{self._name}-{number}"
+        path = ckpt.write(os.path.join(self._directory, name))
+        if name in self._entries:
+            self._entries.remove(name)
+        self._entries.append(name)
+        primary = _files.is_primary()
+        if primary:  # recorded before deleting: an interrupted sweep loses no new entry
+            self._record()
+        if self._max_to_keep is not None and len(self._entries) > self._max_to_keep:
+            doomed = self._entries[: -self._max_to_keep]
+            del self._entries[: -self._max_to_keep]
+            if primary:
+                for old in doomed:
+                    _files.remove_tree(os.path.join(self._directory, old))
+                self._record()
+        return path
+
+    def restore_or_initialize(self) -> str | None:
+        """Restores the latest checkpoint into the `Checkpoint`, or, when there is none,
+        calls ``init_fn`` (if given).
+
+        Returns:
+            The path restored, or None when there was no checkpoint.
+        """
+        latest = self.latest_checkpoint
+        if latest is not None:
+            self._checkpoint.restore(latest)
+            return latest
+        if self._init_fn is not None:
+            self._init_fn()
+        return None
+
+
+def _number(value: Any) -> int:
+    x = np.asarray(value)
+    if x.ndim or not np.issubdtype(x.dtype, np.integer) or int(x) < 0:
+        raise ValueError(
+            "jaxdist.checkpoint.CheckpointManager.save: checkpoint_number must be a "
+            f"non-negative integer (an int or an integer scalar array), got {value!r}."
+        )
+    return int(x)

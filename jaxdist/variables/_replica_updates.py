@@ -79,7 +79,7 @@ def _aggregate(ctx: ReplicaContextLike, var: Variable, x: Any, where: str) -> An
 
 def replica_update(ctx: ReplicaContextLike, var: Any, kind: str, value: Any) -> Variable:
     """``ctx.assign`` / ``assign_add`` / ``assign_sub`` (``kind``) of ``var`` by ``value``."""
-    where = f"ReplicaContextLike.{kind}"
+    where = f"ReplicaContext.{kind}"
     if not isinstance(var, Variable):
         raise TypeError(
             f"{where}: expected a jaxdist.Variable, got {type(var).__name__}. Plain arrays are "

@@ -554,6 +554,32 @@ def test_first_failure_stops_the_others(launcher: type[Launcher]) -> None:
     assert _wait_dead(job.job_pids(), 5) == []
 
 
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("signals", ["default", "report"])
+def test_first_failure_sends_sigterm_well_before_the_kill_timeout(
+    launcher: type[Launcher], signals: str
+) -> None:
+    # The others are asked to stop with SIGTERM at the first failure: they end within
+    # seconds, far from the 40 s after which the launcher would SIGKILL them.
+    kill_timeout = 40
+    job = launcher(
+        "--nprocs", "3", "--kill-timeout", kill_timeout, CHILD, "--exit", "3",
+        "--exit-rank", "1", "--exit-after", "0.5", "--sleep", "60", "--signals", signals,
+        "--spawn",
+    )  # fmt: skip
+    job.reports(3)  # every process runs; rank 1 fails 0.5 s after the barrier
+    start = time.monotonic()
+    rc, out, err = job.finish(timeout=kill_timeout + 30)
+    elapsed = time.monotonic() - start
+    assert rc == 3
+    assert elapsed < kill_timeout / 4, f"the job took {elapsed:.1f} s to stop: {err}"
+    assert "sent SIGKILL" not in err
+    if signals == "report":  # the signal itself, as each process saw it
+        assert sorted(re.findall(r"^\[(\d)\] got SIGTERM$", out, re.M)) == ["0", "2"]
+    assert "(first failure); stopped the other 2 processes." in err
+    assert _wait_dead(job.job_pids(), 5) == []
+
+
 @pytest.mark.timeout(90)
 def test_killed_process_is_named_and_nothing_is_left(launcher: type[Launcher]) -> None:
     job = launcher("--nprocs", "2", CHILD, "--sleep", "60", "--spawn")

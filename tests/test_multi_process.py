@@ -10,6 +10,7 @@ processes dies or hangs, and `CommunicationOptions.timeout_seconds`.
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import json
 import math
@@ -317,8 +318,12 @@ def xla_flags(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
 
 
 def _backend(monkeypatch: pytest.MonkeyPatch, started: bool) -> None:
-    init_mod = sys.modules["jaxdist.cluster_resolver.initialize"]
+    """Makes jaxdist see JAX's backend as started (or not). Imports the module itself: in a
+    run of this file alone nothing has imported it yet (jaxdist loads it lazily)."""
+    init_mod = importlib.import_module("jaxdist.cluster_resolver.initialize")
     monkeypatch.setattr(init_mod, "_backends_initialized", lambda: started)
+    if hasattr(multi_worker, "_backends_initialized"):  # imported by name at module level
+        monkeypatch.setattr(multi_worker, "_backends_initialized", lambda: started)
 
 
 def test_timeout_seconds_sets_the_cpu_collective_timeout(xla_flags: pytest.MonkeyPatch) -> None:

@@ -59,19 +59,24 @@ def _reduce_jit(x: jax.Array, op: ReduceOp, axes: tuple[int, ...], times: int) -
     return out * times if times != 1 else out
 
 
-@functools.partial(jax.jit, static_argnames=("op",))
-def _masked_reduce_jit(x: jax.Array, valid: jax.Array, op: ReduceOp) -> jax.Array:
-    """Reduces over replicas and rows, counting only each replica's first valid rows."""
+@functools.partial(jax.jit, static_argnames=("op", "axes"))
+def _masked_reduce_jit(
+    x: jax.Array, valid: jax.Array, op: ReduceOp, axes: tuple[int, ...]
+) -> jax.Array:
+    """Reduces ``x`` (replicas, rows, ...) over ``axes`` (the replica axis 0, and maybe one
+    more), counting only each replica's first ``valid`` rows: padding never wins a MAX/MIN
+    and never counts in a MEAN. A position that is padding on every replica comes back as
+    NumPy's reduction of nothing: 0 for SUM, NaN for MEAN, the identity for MAX/MIN."""
     mask = jnp.arange(x.shape[1])[None, :] < valid[:, None]
-    mask = mask.reshape(mask.shape + (1,) * (x.ndim - 2))
+    mask = jnp.broadcast_to(mask.reshape(mask.shape + (1,) * (x.ndim - 2)), x.shape)
     if op in (ReduceOp.MAX, ReduceOp.MIN):  # padding rows never win
         return _reduce(
-            jnp.where(mask, x, jnp.asarray(_identity_of(op, x.dtype), x.dtype)), op, (0, 1)
+            jnp.where(mask, x, jnp.asarray(_identity_of(op, x.dtype), x.dtype)), op, axes
         )
-    total = jnp.sum(jnp.where(mask, x, 0), axis=(0, 1))
+    total = jnp.sum(jnp.where(mask, x, 0), axis=axes)
     if op is ReduceOp.SUM:
         return total
-    return total / jnp.sum(valid)
+    return total / jnp.sum(mask, axis=axes)
 
 
 def reduce_leaf(where: str, op: ReduceOp, leaf: Any, axis: int | None, num_replicas: int) -> Any:
@@ -79,9 +84,9 @@ def reduce_leaf(where: str, op: ReduceOp, leaf: Any, axis: int | None, num_repli
     if isinstance(leaf, PerReplica):
         x = leaf.array
         ax = _check_axis(where, axis, x.ndim - 1, tuple(x.shape[1:]))
-        if ax == 0 and leaf.valid is not None:
-            return _masked_reduce_jit(x, leaf.valid, op)
         axes: tuple[int, ...] = (0,) if ax is None else (0, ax + 1)
+        if leaf.valid is not None:  # a padded batch: its padding rows take no part
+            return _masked_reduce_jit(x, leaf.valid, op, axes)
         return _reduce_jit(x, op, axes, 1)
     mirrored = isinstance(leaf, Mirrored)
     x = leaf.array if mirrored else leaf

@@ -27,7 +27,8 @@ from typing import Any
 
 import jax
 
-from jaxdist._compile import replicated
+from jaxdist._compile import path_str, replicated
+from jaxdist._jax_compat import concrete_array_type
 from jaxdist._protocols import StrategyLike
 from jaxdist.options import RunOptions
 from jaxdist.values import PerReplica
@@ -68,7 +69,7 @@ class Program:
         self.call: Callable[[tuple[Any, ...], dict[str, Any]], Any]
         if opts.donate_args:
             self.jitted = jax.jit(_with_counts(program), donate_argnums=(0, 1), **jit_kwargs)
-            self.call = _donating(self.jitted)
+            self.call = _donating(self.jitted, f"{type(strategy).__name__}.run({name})")
         else:
             self.jitted = jax.jit(program, **jit_kwargs)
             self.call = self.jitted
@@ -85,6 +86,9 @@ class Program:
 # Donation -----------------------------------------------------------------------
 # A distributed dataset's batches share one device array of valid-row counts, so a step
 # that donates its arguments keeps those counts apart, undonated.
+
+
+_ARRAY = concrete_array_type()
 
 
 def _is_per_replica(x: Any) -> bool:
@@ -121,11 +125,27 @@ def _with_counts(program: Callable[[Any, Any], Any]) -> Callable[[Any, Any, list
     return apart
 
 
-def _donating(jitted: Callable[..., Any]) -> Callable[[Any, Any], Any]:
+def _donating(jitted: Callable[..., Any], where: str) -> Callable[[Any, Any], Any]:
     def call(args: Any, kwargs: Any) -> Any:
-        return jitted(*_counts_apart(args, kwargs))
+        args, kwargs, counts = _counts_apart(args, kwargs)
+        # A buffer donated by an earlier call and passed again crashes XLA's CPU runtime
+        # (segmentation fault with jax 0.10): refuse it first.
+        if any(type(x) is _ARRAY and x.is_deleted() for x in jax.tree.leaves((args, kwargs))):
+            raise _donated_error(where, args, kwargs)
+        return jitted(args, kwargs, counts)
 
     return call
+
+
+def _donated_error(where: str, args: Any, kwargs: Any) -> RuntimeError:
+    flat = jax.tree_util.tree_flatten_with_path((args, kwargs))[0]
+    paths = [path_str(p) for p, x in flat if type(x) is _ARRAY and x.is_deleted()]
+    return RuntimeError(
+        f"{where}: {', '.join(paths)} {'was' if len(paths) == 1 else 'were'} donated to an "
+        "earlier call (RunOptions(donate_args=True) gives the arguments' buffers to the "
+        "outputs): pass the values that call returned, or copy the arguments first "
+        "(jnp.copy), or run without donate_args."
+    )
 
 
 class CompiledStep:

@@ -236,3 +236,39 @@ def test_reused_donated_state_raises_in_a_fresh_process() -> None:
     assert re.search(r"argument `state` \(args\[0\], TrainState\) " + DONATED, out["state"])
     np.testing.assert_allclose(out["state_after"], np.full(3, -2.0), rtol=RTOL)  # 2 sgd steps
     assert re.search(r"argument `model` \(args\[0\], Linear\) " + DONATED, out["nnx"])
+
+
+_REUSE_RUN_OPTIONS = """
+import json
+import jax, jax.numpy as jnp, numpy as np
+import jaxdist as jd
+
+s = jd.MirroredStrategy()
+f = s.function(lambda ctx, a: ctx.all_reduce("sum", a) + a,
+               options=jd.RunOptions(donate_args=True))
+x = jax.device_put(jnp.arange(4.0), s.replicated_sharding)
+y = f(x)
+out = {"deleted": bool(x.is_deleted())}
+try:
+    f(x)
+    out["error"] = None
+except RuntimeError as e:
+    out["error"] = str(e)
+z = f(y)  # the returned value works
+ref = np.arange(4.0) * 9
+out["ok"] = bool(np.allclose(np.asarray(z.array if hasattr(z, "array") else z), ref * 9))
+print(json.dumps(out))
+"""
+
+
+def test_run_options_donated_argument_passed_again_raises() -> None:
+    """``RunOptions(donate_args=True)``: an argument donated to an earlier call and passed
+    again raises (jax 0.10 crashes with a segmentation fault otherwise); checked in a fresh
+    process so a regression fails one test."""
+    out = run_python(_REUSE_RUN_OPTIONS)
+    assert out["deleted"] is True
+    assert out["error"] is not None and re.search(
+        r"MirroredStrategy\.run\(<lambda>\): args\[0\] was donated to an earlier call "
+        r"\(RunOptions\(donate_args=True\)", out["error"]
+    ), out["error"]
+    assert out["ok"] is True

@@ -142,3 +142,28 @@ def test_per_replica_batches_from_a_dataset_fn(sign: str) -> None:
         rows = data[4 * i : 4 * i + 4]
         for op, f in OPS.items():
             np.testing.assert_array_equal(np.asarray(s.reduce(op, step, axis=0)), f(rows, 0))
+
+
+@pytest.mark.parametrize("sign", ["negative", "positive"])
+@pytest.mark.parametrize("axis", [None, 1, -1])
+def test_reduce_across_replicas_or_along_another_axis_leaves_padding_out(
+    sign: str, axis: int | None
+) -> None:
+    """``reduce`` with ``axis=None`` (across replicas, position by position) or along a
+    feature axis: only each replica's valid rows take part; a position that is padding on
+    every replica gives NumPy's reduction of nothing. Reference: NumPy masked arrays."""
+    s = jd.MirroredStrategy(jax.devices()[:2])
+    data = _data(sign, np.float32, rows=13)  # batches of 8 and 5 (4 rows per replica)
+    ds = s.experimental_distribute_dataset(jd.data.from_arrays(data, batch_size=8))
+    *_, last = list(ds)
+    rows = np.asarray(last.array)  # (replicas, rows, 2), padding included
+    valid = np.asarray(last.valid)
+    assert valid.tolist() == [3, 2]  # row 3 is padding on both replicas
+    mask = np.arange(rows.shape[1])[None, :, None] >= valid[:, None, None]
+    masked = np.ma.masked_array(rows, np.broadcast_to(mask, rows.shape))
+    axes = (0,) if axis is None else (0, axis % 2 + 1)
+    fills = {"sum": 0.0, "mean": np.nan, "max": -np.inf, "min": np.inf}
+    for op in ("sum", "mean", "max", "min"):
+        want = getattr(masked, op)(axis=axes).filled(fills[op])
+        got = np.asarray(s.reduce(op, last, axis=axis))
+        np.testing.assert_allclose(got, want, rtol=1e-6, err_msg=f"{op} axis={axis}")

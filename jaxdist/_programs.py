@@ -88,7 +88,7 @@ class Program:
 # that donates its arguments keeps those counts apart, undonated.
 
 
-_ARRAY = concrete_array_type()
+_ARRAY: Any = concrete_array_type()
 
 
 def _is_per_replica(x: Any) -> bool:

@@ -570,3 +570,14 @@ def test_lean_placement_matches_jax_device_put(n: int) -> None:
         assert got.dtype == want.dtype and got.shape == want.shape
         assert got.sharding == want.sharding and got.committed
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+def test_every_bad_leaf_of_a_batch_is_listed() -> None:
+    s = jd.MirroredStrategy(jax.devices()[:2])
+    batches = [{"a": np.array(["x", "y"]), "b": np.zeros(2), "c": object()}]
+    with pytest.raises(TypeError) as info:
+        next(iter(s.experimental_distribute_dataset(batches)))
+    msg = str(info.value)
+    assert "leaf ['a'] of a global batch is an array of dtype <U1" in msg, msg
+    assert "leaf ['c'] of a global batch is a object, not an array" in msg, msg
+    assert "['b']" not in msg

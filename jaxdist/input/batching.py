@@ -215,35 +215,43 @@ class Batcher:
         )
         kind = "per-replica batch" if per_replica else "global batch"
         leaves = []
+        # Every leaf is checked and every problem reported in one error.
+        type_problems: list[str] = []
+        value_problems: list[str] = []
         for path, x in with_path:
             name = jax.tree_util.keystr(path) or "<batch>"
             if isinstance(x, DistributedValues):
-                raise TypeError(
-                    f"{self.where}: the dataset yielded a {type(x).__name__} at {name}; it must "
-                    f"yield {kind}es of plain arrays. For per-replica input use "
-                    "strategy.distribute_datasets_from_function."
+                type_problems.append(
+                    f"the dataset yielded a {type(x).__name__} at {name}; it must yield "
+                    f"{kind}es of plain arrays. For per-replica input use "
+                    "strategy.distribute_datasets_from_function"
                 )
+                continue
             if not isinstance(x, (np.ndarray, jax.Array, np.generic, int, float, bool)):
-                raise TypeError(
-                    f"{self.where}: leaf {name} of a {kind} is a {type(x).__name__}, not an "
-                    "array. Batches must be pytrees of arrays; convert or drop other fields in "
-                    "the dataset."
+                type_problems.append(
+                    f"leaf {name} of a {kind} is a {type(x).__name__}, not an array. Batches "
+                    "must be pytrees of arrays; convert or drop other fields in the dataset"
                 )
+                continue
             arr = np.asarray(x)
             if self.options.experimental_fetch_to_device and not numeric(arr.dtype):
-                raise TypeError(
-                    f"{self.where}: leaf {name} of a {kind} is an array of dtype {arr.dtype} "
-                    f"(shape {arr.shape}), which cannot be placed on the devices: only numeric "
-                    "and bool arrays can. Encode it as numbers in the dataset (for example "
-                    "token or class ids), drop it from the batches, or pass "
-                    "InputOptions(experimental_fetch_to_device=False) to get host NumPy batches."
+                type_problems.append(
+                    f"leaf {name} of a {kind} is an array of dtype {arr.dtype} (shape "
+                    f"{arr.shape}), which cannot be placed on the devices: only numeric and "
+                    "bool arrays can. Encode it as numbers in the dataset (for example token "
+                    "or class ids), drop it from the batches, or pass "
+                    "InputOptions(experimental_fetch_to_device=False) to get host NumPy batches"
                 )
-            if arr.ndim == 0:
-                raise ValueError(
-                    f"{self.where}: leaf {name} of a {kind} is a scalar; every leaf needs a "
-                    "leading batch axis."
+            elif arr.ndim == 0:
+                value_problems.append(
+                    f"leaf {name} of a {kind} is a scalar; every leaf needs a leading batch axis"
                 )
-            leaves.append((name, arr))
+            else:
+                leaves.append((name, arr))
+        if type_problems:
+            raise TypeError(f"{self.where}: " + "; ".join(type_problems) + ".")
+        if value_problems:
+            raise ValueError(f"{self.where}: " + "; ".join(value_problems) + ".")
         if not leaves:
             raise ValueError(f"{self.where}: the dataset yielded an empty batch {batch!r}.")
         sizes = {name: a.shape[0] for name, a in leaves}
@@ -261,12 +269,13 @@ class Batcher:
                 f"{self.treedef}; every batch must have the same structure."
             )
         elif rows != self.row_shapes:
-            for (name, a), (shape, dtype) in zip(leaves, self.row_shapes or [], strict=True):
-                if (a.shape[1:], a.dtype) != (shape, dtype):
-                    raise ValueError(
-                        f"{self.where}: leaf {name} has rows of shape {a.shape[1:]} and dtype "
-                        f"{a.dtype}, but the first {kind} had {shape} and {dtype}."
-                    )
+            bad = [
+                f"leaf {name} has rows of shape {a.shape[1:]} and dtype {a.dtype}, but the "
+                f"first {kind} had {shape} and {dtype}"
+                for (name, a), (shape, dtype) in zip(leaves, self.row_shapes or [], strict=True)
+                if (a.shape[1:], a.dtype) != (shape, dtype)
+            ]
+            raise ValueError(f"{self.where}: " + "; ".join(bad) + ".")
         out = [a for _, a in leaves]
         # Batches exactly like this one (NumPy leaves, same shapes) skip these checks.
         plain = all(a is x for a, (_, x) in zip(out, with_path, strict=True))

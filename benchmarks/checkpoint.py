@@ -77,8 +77,7 @@ def main(megabytes: int, devices: int, rounds: int) -> None:
             options=ocp.CheckpointManagerOptions(max_to_keep=1, enable_async_checkpointing=False),
         )
         abstract = {
-            k: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
-            for k, x in state.items()
+            k: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding) for k, x in state.items()
         }
         steps = iter(range(1, 1_000_000))
         last = [0]

@@ -194,9 +194,7 @@ def test_items_and_names_are_checked(tmp_path: Path) -> None:
     ):
         other.restore(path)
     it = iter(jd.MirroredStrategy().experimental_distribute_dataset([np.zeros(8)]))
-    with pytest.raises(
-        ValueError, match=r"item 'b' was saved as 'pytree' but is now 'iterator'"
-    ):
+    with pytest.raises(ValueError, match=r"item 'b' was saved as 'pytree' but is now 'iterator'"):
         jd.checkpoint.Checkpoint(w=jnp.zeros(2), b=it).restore(path)
     with pytest.raises(
         ValueError, match=r"restore: \['items'\]\['w'\] has shape \(2,\) in the checkpoint"

@@ -205,7 +205,8 @@ class Checkpoint:
         changes unless every item matches and every checksum verifies.
         ``save_path=None`` does nothing (TF's behaviour, so that
         ``ckpt.restore(manager.latest_checkpoint)`` starts fresh when there is
-        no checkpoint yet).
+        no checkpoint yet). Unlike TF's, it returns no status object: a restore
+        is all or nothing, so there is no partial match to assert on.
 
         Raises:
             FileNotFoundError: ``save_path`` is not a checkpoint directory.

@@ -4,6 +4,7 @@ replica and process counts."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -193,9 +194,7 @@ def test_items_and_names_are_checked(tmp_path: Path) -> None:
     ):
         other.restore(path)
     it = iter(jd.MirroredStrategy().experimental_distribute_dataset([np.zeros(8)]))
-    with pytest.raises(
-        ValueError, match=r"item 'b' was saved as 'pytree' but is now 'iterator'"
-    ):
+    with pytest.raises(ValueError, match=r"item 'b' was saved as 'pytree' but is now 'iterator'"):
         jd.checkpoint.Checkpoint(w=jnp.zeros(2), b=it).restore(path)
     with pytest.raises(
         ValueError, match=r"restore: \['items'\]\['w'\] has shape \(2,\) in the checkpoint"
@@ -342,17 +341,37 @@ _KILLED_SAVE = textwrap.dedent(
     import numpy as np
     import jaxdist as jd
 
-    big = lambda v: {"a": jnp.full((25_000_000,), v, jnp.float32),
-                     "b": jnp.full((25_000_000,), -v, jnp.float32)}  # 200 MB
-    ckpt = jd.checkpoint.Checkpoint(state=big(1.0), step=jnp.int32(1))
+    def big(seed):  # 200 MB of random floats (incompressible: 200 MB on disk too)
+        rng = np.random.default_rng(seed)
+        return {k: jnp.asarray(rng.standard_normal(25_000_000, dtype=np.float32)) for k in "ab"}
+
+    ckpt = jd.checkpoint.Checkpoint(state=big(1), step=jnp.int32(1))
     manager = jd.checkpoint.CheckpointManager(ckpt, sys.argv[1], max_to_keep=1)
     manager.save()
     print("saved", flush=True)
-    ckpt.state, ckpt.step = big(2.0), jnp.int32(2)
+    ckpt.state, ckpt.step = big(2), jnp.int32(2)
     manager.save()  # killed while this one is written
     print("finished", flush=True)
     """
 )
+
+
+_KILL_AT = 16 * 2**20  # bytes of the second save on disk (of 200 MB) when it is killed
+
+
+def _partial(directory: Path) -> list[str]:
+    return [n for n in os.listdir(directory) if n.startswith("ckpt-2.tmp")]
+
+
+def _written(directory: Path) -> int:
+    """Bytes in the files of the second save's temporary directories so far."""
+    total = 0
+    for name in _partial(directory):
+        for here, _, files in os.walk(directory / name):
+            for f in files:
+                with contextlib.suppress(OSError):  # renamed or removed meanwhile
+                    total += os.path.getsize(os.path.join(here, f))
+    return total
 
 
 @pytest.mark.slow
@@ -373,11 +392,13 @@ def test_a_process_killed_mid_save_leaves_the_previous_checkpoint(tmp_path: Path
         try:
             assert proc.stdout is not None
             assert proc.stdout.readline().strip() == "saved", log.read_text()[-3000:]
-            tmp = directory / "ckpt-2.tmp"
+            # Killed once the save's temporary directory holds data: orbax writes the arrays
+            # into "ckpt-2.tmp.orbax-checkpoint-tmp*", renamed to "ckpt-2.tmp" when done.
             deadline = time.monotonic() + 120
-            while not tmp.exists() and proc.poll() is None and time.monotonic() < deadline:
+            while _written(directory) < _KILL_AT and proc.poll() is None:
+                assert time.monotonic() < deadline, "the second save wrote nothing in 120 s"
                 time.sleep(0.002)
-            assert tmp.exists(), f"the second save never started: {log.read_text()[-3000:]}"
+            assert _written(directory) >= _KILL_AT, f"no second save: {log.read_text()[-3000:]}"
             proc.send_signal(signal.SIGKILL)
             proc.wait(timeout=30)
         finally:
@@ -385,6 +406,7 @@ def test_a_process_killed_mid_save_leaves_the_previous_checkpoint(tmp_path: Path
                 proc.kill()
     assert proc.returncode == -signal.SIGKILL
     assert not (directory / "ckpt-2").exists()  # killed before the rename
+    assert _partial(directory)  # what the killed save left
     ckpt = jd.checkpoint.Checkpoint(
         state={"a": jnp.zeros(25_000_000), "b": jnp.zeros(25_000_000)}, step=jnp.int32(0)
     )
@@ -392,8 +414,11 @@ def test_a_process_killed_mid_save_leaves_the_previous_checkpoint(tmp_path: Path
     assert _names(manager.checkpoints) == ["ckpt-1"]
     assert manager.restore_or_initialize() == str(directory / "ckpt-1")  # verified
     assert int(ckpt.step) == 1 and ckpt.save_counter == 1
-    assert float(jnp.min(ckpt.state["a"])) == float(jnp.max(ckpt.state["a"])) == 1.0
-    assert float(jnp.min(ckpt.state["b"])) == float(jnp.max(ckpt.state["b"])) == -1.0
+    rng = np.random.default_rng(1)  # the first save's values, made again
+    for k in "ab":
+        np.testing.assert_array_equal(
+            np.asarray(ckpt.state[k]), rng.standard_normal(25_000_000, dtype=np.float32)
+        )
     # The next save writes ckpt-2 afresh and clears what the killed one left.
     manager.save()
     assert _names(manager.checkpoints) == ["ckpt-2"]

@@ -19,14 +19,17 @@ orbax-checkpoint is needed for the files (``pip install 'jaxdist[checkpoint]'``)
 from jaxdist.checkpoint._arrays import (
     MANIFEST,
     from_saveable,
-    is_saved_node,
-    manifest_leaves,
-    path_tokens,
     restore,
     save,
     to_saveable,
-    verify_leaves,
 )
+
+# Private helpers of jaxdist.training (the manifest's record and check of a host tree, and
+# the path names leaves are matched by), re-exported from here as before.
+from jaxdist.checkpoint._arrays import is_saved_node as is_saved_node
+from jaxdist.checkpoint._arrays import manifest_leaves as manifest_leaves
+from jaxdist.checkpoint._arrays import path_tokens as path_tokens
+from jaxdist.checkpoint._arrays import verify_leaves as verify_leaves
 from jaxdist.checkpoint._checkpoint import Checkpoint
 from jaxdist.checkpoint._manager import CheckpointManager
 
@@ -39,7 +42,3 @@ __all__ = [
     "save",
     "to_saveable",
 ]
-
-# Used by jaxdist.training (private): the manifest's record and check of a host tree, and
-# the path names leaves are matched by.
-_PRIVATE = (is_saved_node, manifest_leaves, path_tokens, verify_leaves)

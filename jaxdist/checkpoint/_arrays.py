@@ -63,6 +63,7 @@ Example:
 
 from __future__ import annotations
 
+import concurrent.futures
 import hashlib
 import json
 import os
@@ -85,6 +86,7 @@ MANIFEST = "jaxdist_manifest.json"
 """The name of the checksum manifest `save` writes into a checkpoint directory."""
 
 _FORMAT = "jaxdist-checkpoint-manifest"
+_HASH_THREADS = 4  # leaves hashed at once (SHA-256 runs at about 1 GB/s a core)
 _LIST_AT_MOST = 5
 
 
@@ -244,18 +246,18 @@ def _restore_leaf(where: str, name: str, saved: Any, t: Any) -> Any:
                 "an aggregate (strategy.reduce)."
             )
         _check_leaf(where, name, s, t.shape, t.dtype, "the template's PerReplica")
-        return PerReplica(jax.device_put(s.astype(t.dtype), t.array.sharding))
+        return PerReplica(jax.device_put(s.astype(t.dtype, copy=False), t.array.sharding))
     if isinstance(t, Mirrored):
         _check_leaf(where, name, s, t.shape, t.dtype, "the template's Mirrored value")
-        return Mirrored(jax.device_put(s.astype(t.dtype), t.array.sharding))
+        return Mirrored(jax.device_put(s.astype(t.dtype, copy=False), t.array.sharding))
     if isinstance(t, jax.Array) and _is_key(t):
         data = jax.random.key_data(t)
         _check_leaf(where, name, s, data.shape, data.dtype, "the template's random key data")
-        placed = _put_like(s.astype(data.dtype), data)
+        placed = _put_like(s.astype(data.dtype, copy=False), data)
         return jax.random.wrap_key_data(placed, impl=jax.random.key_impl(t))
     if isinstance(t, jax.Array):
         _check_leaf(where, name, s, t.shape, t.dtype, "the template's array")
-        return _put_like(s.astype(t.dtype), t)
+        return _put_like(s.astype(t.dtype, copy=False), t)
     if isinstance(t, jax.ShapeDtypeStruct):
         return _restore_struct(where, name, s, t)
     if isinstance(t, (np.ndarray, np.generic)):
@@ -293,7 +295,7 @@ def _restore_struct(where: str, name: str, s: np.ndarray, t: jax.ShapeDtypeStruc
         )
     _check_leaf(where, name, s, t.shape, t.dtype, "the template's jax.ShapeDtypeStruct")
     sharding = t.sharding if t.sharding is not None else _mirrored_sharding(get_strategy())
-    return jax.device_put(s.astype(t.dtype), sharding)
+    return jax.device_put(s.astype(t.dtype, copy=False), sharding)
 
 
 def _restore_tree(where: str, saved: Any, template: Any) -> Any:
@@ -361,16 +363,42 @@ def _checkpointer() -> Any:
 
 
 def _digest(x: np.ndarray) -> str:
-    return hashlib.sha256(np.ascontiguousarray(x).tobytes()).hexdigest()
+    """SHA-256 of the array's bytes in C order (hashed in place: no copy of a contiguous
+    array; hashlib releases the GIL, so several leaves hash in parallel threads)."""
+    flat = np.ascontiguousarray(x).reshape(-1)
+    try:
+        data: Any = flat.view(np.uint8)
+    except (TypeError, ValueError):  # a dtype without a fixed byte layout
+        data = flat.tobytes()
+    return hashlib.sha256(data).hexdigest()
+
+
+def _entry(leaf: Any) -> dict[str, Any]:
+    x = np.asarray(leaf)
+    return {"dtype": str(x.dtype), "shape": list(x.shape), "sha256": _digest(x)}
 
 
 def _entries(where: str, tree: Any) -> dict[tuple[str, ...], dict[str, Any]]:
     """Dtype, shape and checksum of every leaf of a saved tree, by path."""
-    out = {}
-    for path, leaf in _indexed(where, tree).items():
-        x = np.asarray(leaf)
-        out[path] = {"dtype": str(x.dtype), "shape": list(x.shape), "sha256": _digest(x)}
-    return out
+    return {path: _entry(leaf) for path, leaf in _indexed(where, tree).items()}
+
+
+class _Hashing:
+    """`_entries` computed in background threads while the caller writes or places the
+    same (read-only) arrays."""
+
+    def __init__(self, leaves: dict[tuple[str, ...], Any]) -> None:
+        self._pool = concurrent.futures.ThreadPoolExecutor(
+            max_workers=max(1, min(_HASH_THREADS, len(leaves))),
+            thread_name_prefix="jaxdist-checkpoint-sha256",
+        )
+        self._futures = {path: self._pool.submit(_entry, leaf) for path, leaf in leaves.items()}
+
+    def result(self) -> dict[tuple[str, ...], dict[str, Any]]:
+        try:
+            return {path: f.result() for path, f in self._futures.items()}
+        finally:
+            self._pool.shutdown(wait=True, cancel_futures=True)
 
 
 def save(directory: str | os.PathLike[str], state: Any) -> None:
@@ -383,13 +411,17 @@ def save(directory: str | os.PathLike[str], state: Any) -> None:
     """
     path = os.path.abspath(directory)
     saveable = to_saveable(state)
-    leaves = manifest_leaves("jaxdist.checkpoint.save", saveable)
-    ckpt = _checkpointer()
+    hashing = _Hashing(_indexed("jaxdist.checkpoint.save", saveable))  # while orbax writes
     try:
-        ckpt.save(path, saveable)
-        ckpt.wait_until_finished()
+        ckpt = _checkpointer()
+        try:
+            ckpt.save(path, saveable)
+            ckpt.wait_until_finished()
+        finally:
+            ckpt.close()
     finally:
-        ckpt.close()
+        entries = hashing.result()
+    leaves = [{"path": list(p), **e} for p, e in entries.items()]
     manifest = {"format": _FORMAT, "version": 1, "leaves": leaves}
     # Every process holds the whole host state, so each writes the same manifest (atomically,
     # through its own temporary file): one that restores right after its save finds it there
@@ -452,17 +484,15 @@ def verify_leaves(where: str, path: str, leaves: Any, restored: Any) -> None:
         expected = _parse_leaves(leaves)
     except (KeyError, TypeError, AttributeError, ValueError) as e:
         raise _damaged(where, "the checksum record in its metadata", path, e) from None
-    _compare(where, path, expected, restored)
-
-
-def _verify(where: str, path: str, restored: Any) -> None:
-    _compare(where, path, _read_manifest(where, path), restored)
+    _compare(where, path, expected, _entries(where, restored))
 
 
 def _compare(
-    where: str, path: str, expected: dict[tuple[str, ...], dict[str, Any]], restored: Any
+    where: str,
+    path: str,
+    expected: dict[tuple[str, ...], dict[str, Any]],
+    found: dict[tuple[str, ...], dict[str, Any]],
 ) -> None:
-    found = _entries(where, restored)
     fix = "Restore an earlier checkpoint; this one was changed or damaged after it was written."
     if set(found) != set(expected):
         extra = sorted(set(found) - set(expected))
@@ -487,7 +517,8 @@ def restore(directory: str | os.PathLike[str], template: Any, *, verify: bool = 
     Args:
         directory: a checkpoint written by `save`.
         template: as for `from_saveable`.
-        verify: check every leaf against the checksum manifest first.
+        verify: check every leaf against the checksum manifest (nothing is
+            returned unless every leaf matches).
 
     Returns:
         ``template`` with the saved values.
@@ -501,6 +532,7 @@ def restore(directory: str | os.PathLike[str], template: Any, *, verify: bool = 
     path = os.path.abspath(directory)
     if not os.path.isdir(path):
         raise FileNotFoundError(f"{where}: no checkpoint directory {path}.")
+    expected = _read_manifest(where, path) if verify else {}
     ckpt = _checkpointer()
     try:
         saved = ckpt.restore(path)
@@ -511,6 +543,15 @@ def restore(directory: str | os.PathLike[str], template: Any, *, verify: bool = 
         ) from e
     finally:
         ckpt.close()
-    if verify:
-        _verify(where, path, saved)
-    return _restore_tree(where, saved, template)
+    if not verify:
+        return _restore_tree(where, saved, template)
+    # The leaves are hashed while they are placed; nothing is returned unless they verify,
+    # and a damaged checkpoint is reported before a template that does not fit it.
+    hashing = _Hashing(_indexed(where, saved))
+    try:
+        restored = _restore_tree(where, saved, template)
+    except ValueError:
+        _compare(where, path, expected, hashing.result())
+        raise
+    _compare(where, path, expected, hashing.result())
+    return restored

@@ -180,7 +180,7 @@ class Checkpoint:
         me = jax.process_index()
         if positions:
             body = {"format": _ITERATOR_FORMAT, "process": me, "iterators": positions}
-            _files.write_json(os.path.join(tmp, iterator_file(me)), body)
+            _files.write_json(os.path.join(tmp, iterator_file(me)), body, durable=False)
         if _files.is_primary():
             meta = {
                 "format": _FORMAT,
@@ -188,7 +188,7 @@ class Checkpoint:
                 "items": kinds,
                 "num_processes": jax.process_count(),
             }
-            _files.write_json(os.path.join(tmp, META), meta)
+            _files.write_json(os.path.join(tmp, META), meta, durable=False)
         _files.barrier("written")
         if _files.is_primary():
             _files.publish(tmp, final)
@@ -205,7 +205,8 @@ class Checkpoint:
         changes unless every item matches and every checksum verifies.
         ``save_path=None`` does nothing (TF's behaviour, so that
         ``ckpt.restore(manager.latest_checkpoint)`` starts fresh when there is
-        no checkpoint yet).
+        no checkpoint yet). Unlike TF's, it returns no status object: a restore
+        is all or nothing, so there is no partial match to assert on.
 
         Raises:
             FileNotFoundError: ``save_path`` is not a checkpoint directory.

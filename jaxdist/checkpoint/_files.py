@@ -91,17 +91,16 @@ def publish(tmp: str, final: str) -> None:
     """Makes the complete directory ``tmp`` visible as ``final`` (replacing one there)."""
     fsync_tree(tmp)
     parent = os.path.dirname(final)
+    doomed = None
     if os.path.lexists(final):  # overwritten: the old one leaves under another name first
         doomed = f"{final}.deleted"
         if os.path.lexists(doomed):
             shutil.rmtree(doomed, ignore_errors=True)
         os.rename(final, doomed)
-        os.rename(tmp, final)
-        _fsync(parent, directory=True)
-        shutil.rmtree(doomed, ignore_errors=True)
-    else:
-        os.rename(tmp, final)
+    os.rename(tmp, final)
     _fsync(parent, directory=True)
+    if doomed is not None:
+        shutil.rmtree(doomed, ignore_errors=True)
 
 
 def _digest(body: Any) -> str:
@@ -109,17 +108,20 @@ def _digest(body: Any) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
 
 
-def write_json(path: str, body: Any) -> None:
+def write_json(path: str, body: Any, *, durable: bool = True) -> None:
     """Writes ``{"body": body, "sha256": ...}`` to ``path`` atomically (temporary file,
-    fsync, rename); `read_json` checks the checksum."""
+    rename); `read_json` checks the checksum. ``durable``: flushed to disk first (not
+    needed inside a directory that `publish` flushes)."""
     tmp = f"{path}.{jax.process_index()}.tmp"
     with open(tmp, "w", encoding="utf-8") as f:
         json.dump({"body": body, "sha256": _digest(body)}, f, indent=1, sort_keys=True)
-        f.flush()
-        os.fsync(f.fileno())
+        if durable:
+            f.flush()
+            os.fsync(f.fileno())
     os.replace(tmp, path)
-    with contextlib.suppress(OSError):  # some file systems cannot open a directory
-        _fsync(os.path.dirname(path) or ".", directory=True)
+    if durable:
+        with contextlib.suppress(OSError):  # some file systems cannot open a directory
+            _fsync(os.path.dirname(path) or ".", directory=True)
 
 
 def read_json(where: str, path: str, what: str) -> Any:

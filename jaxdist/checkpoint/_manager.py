@@ -188,16 +188,17 @@ class CheckpointManager:
         if name in self._entries:
             self._entries.remove(name)
         self._entries.append(name)
-        primary = _files.is_primary()
-        if primary:  # recorded before deleting: an interrupted sweep loses no new entry
-            self._record()
+        doomed: list[str] = []
         if self._max_to_keep is not None and len(self._entries) > self._max_to_keep:
             doomed = self._entries[: -self._max_to_keep]
             del self._entries[: -self._max_to_keep]
-            if primary:
-                for old in doomed:
-                    _files.remove_tree(os.path.join(self._directory, old))
-                self._record()
+        if _files.is_primary():
+            # Deleted, then recorded: a save interrupted before its record leaves the new
+            # entry unrecorded, which `_recover` takes as the newest (old entries that
+            # survive an interrupted sweep are still recorded as the oldest).
+            for old in doomed:
+                _files.remove_tree(os.path.join(self._directory, old))
+            self._record()
         return path
 
     def restore_or_initialize(self) -> str | None:

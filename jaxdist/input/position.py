@@ -142,8 +142,7 @@ def parse_state(where: str, state: Any, sources: int) -> Resumed:
     epochs = state.get("source_epochs")
     if epochs is not None:
         ok = isinstance(epochs, list) and all(
-            e is None or (isinstance(e, int) and not isinstance(e, bool) and e >= 0)
-            for e in epochs
+            e is None or (isinstance(e, int) and not isinstance(e, bool) and e >= 0) for e in epochs
         )
         if not ok or len(epochs) != sources:
             raise ValueError(

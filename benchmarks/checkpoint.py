@@ -1,0 +1,158 @@
+"""Save and restore time and bytes of `jaxdist.checkpoint.CheckpointManager` vs orbax's own.
+
+The state is a dict of float32 arrays (a few large ones and some small ones, as
+a model's parameters and optimizer state) placed replicated on the devices.
+Both sides keep one checkpoint (``max_to_keep=1``, so each save also deletes
+the previous one), write synchronously into directories on the same disk, and
+restore placed like the state (orbax: a tree of `jax.ShapeDtypeStruct`s with
+the arrays' shardings; jaxdist: the `Checkpoint`'s current items as the
+template). jaxdist's save also copies the arrays to the host, writes their
+SHA-256 manifest and flushes the directory to disk before renaming it into
+place; its restore verifies the manifest. Rounds alternate the candidates in
+a random order; ratios are medians of per-round ratios with their quartiles.
+A breakdown times jaxdist's extra work alone (host copy, SHA-256 of every
+leaf) on the same arrays. Target (issue 18): jaxdist <= 1.10x orbax's time.
+
+Usage: python benchmarks/checkpoint.py [--mb 100 [1000 ...]] [--devices 8] [--rounds 7]
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import os
+import random
+import shutil
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+
+import _harness
+import jax
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jaxdist as jd
+
+
+def make_state(megabytes: int, mesh: jax.sharding.Mesh) -> dict[str, jax.Array]:
+    """About ``megabytes`` MB of float32: 8 large arrays holding 95% and 24 small ones."""
+    rng = np.random.default_rng(0)
+    total = megabytes * 1_000_000 // 4
+    large, small = int(total * 0.95) // 8, int(total * 0.05) // 24
+    sizes = {f"large{i}": large for i in range(8)} | {f"small{i}": small for i in range(24)}
+    replicated = NamedSharding(mesh, P())
+    return {
+        k: jax.device_put(rng.standard_normal(n, dtype=np.float32), replicated)
+        for k, n in sizes.items()
+    }
+
+
+def disk_bytes(path: str) -> int:
+    return sum(
+        os.path.getsize(os.path.join(here, f)) for here, _, files in os.walk(path) for f in files
+    )
+
+
+def timed(fn: Callable[[], object]) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def main(megabytes: int, devices: int, rounds: int) -> None:
+    import orbax.checkpoint as ocp
+
+    strategy = jd.MirroredStrategy(jax.devices()[:devices])
+    state = make_state(megabytes, strategy.mesh)
+    nbytes = sum(x.nbytes for x in state.values())
+    root = tempfile.mkdtemp(prefix="jaxdist-bench-ckpt-", dir=os.environ.get("BENCH_DIR"))
+    try:
+        ckpt = jd.checkpoint.Checkpoint(state=state)
+        ours = jd.checkpoint.CheckpointManager(ckpt, os.path.join(root, "jaxdist"), max_to_keep=1)
+        theirs = ocp.CheckpointManager(
+            os.path.join(root, "orbax"),
+            options=ocp.CheckpointManagerOptions(max_to_keep=1, enable_async_checkpointing=False),
+        )
+        abstract = {
+            k: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding) for k, x in state.items()
+        }
+        steps = iter(range(1, 1_000_000))
+        last = [0]
+
+        def orbax_save() -> None:
+            last[0] = next(steps)
+            theirs.save(last[0], args=ocp.args.StandardSave(state))
+            theirs.wait_until_finished()
+
+        def orbax_restore() -> None:
+            out = theirs.restore(last[0], args=ocp.args.StandardRestore(abstract))
+            jax.block_until_ready(out)
+
+        def jaxdist_restore() -> None:
+            ours.restore_or_initialize()
+            jax.block_until_ready(ckpt.state)
+
+        candidates = {
+            "orbax save": orbax_save,
+            "jaxdist save": ours.save,
+            "orbax restore": orbax_restore,
+            "jaxdist restore": jaxdist_restore,
+        }
+        for fn in candidates.values():  # warm up (and create both directories)
+            fn()
+        order = random.Random(0)
+        samples: dict[str, list[float]] = {k: [] for k in candidates}
+        names = list(candidates)
+        for _ in range(rounds):
+            order.shuffle(names)
+            for name in names:
+                samples[name].append(timed(candidates[name]))
+        times = {k: statistics.median(v) for k, v in samples.items()}
+        on_disk = {
+            "orbax": disk_bytes(os.path.join(root, "orbax", str(last[0]))),
+            "jaxdist": disk_bytes(ours.latest_checkpoint or ""),
+        }
+        # jaxdist's own work, alone, on the same arrays.
+        host = timed(lambda: [np.asarray(x) for x in state.values()])
+        arrays = [np.asarray(x) for x in state.values()]
+        digest = timed(lambda: [hashlib.sha256(a.tobytes()).hexdigest() for a in arrays])
+        theirs.close()
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+    print(
+        f"{nbytes / 1e6:.0f} MB state ({len(state)} arrays) replicated on {devices} device(s), "
+        f"{rounds} rounds"
+    )
+    for op in ("save", "restore"):
+        base = samples[f"orbax {op}"]
+        ratios = [a / b for a, b in zip(samples[f"jaxdist {op}"], base, strict=True)]
+        q1, med, q3 = statistics.quantiles(ratios, n=4)
+        print(
+            f"  {op:8s} orbax CheckpointManager {times[f'orbax {op}']:.3f} s   "
+            f"jaxdist CheckpointManager {times[f'jaxdist {op}']:.3f} s   ratio {med:.2f} "
+            f"(quartiles {q1:.2f}-{q3:.2f})"
+        )
+    print(
+        f"  on disk: orbax {on_disk['orbax'] / 1e6:.1f} MB, jaxdist {on_disk['jaxdist'] / 1e6:.1f} "
+        f"MB ({on_disk['jaxdist'] / on_disk['orbax']:.3f}x)"
+    )
+    print(
+        f"  jaxdist's extra work alone: host copy {host:.3f} s, "
+        f"SHA-256 of all leaves {digest:.3f} s"
+    )
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--mb", type=int, nargs="+", default=[100], help="state sizes in MB")
+    parser.add_argument("--devices", type=int, default=8, help="devices the state is on")
+    parser.add_argument("--rounds", type=int, default=7)
+    args = parser.parse_args()
+    _harness.setup_devices(max(8, args.devices))
+    print(_harness.describe_machine())
+    for mb in args.mb:
+        main(mb, min(args.devices, len(jax.devices())), args.rounds)

@@ -33,6 +33,11 @@ Random keys. A typed key array (``jax.random.key``) is saved as its key data
 (``jax.random.key_data``, ``uint32``) and restored into a template key array
 with the template's implementation.
 
+Sharded variables. A `jaxdist.experimental.ShardedVariable` saves its full array (its
+shards concatenated along the first axis), so it restores into any number of shards
+of the same full shape, or into a plain `Variable` of that shape; a plain variable's
+checkpoint restores into a `ShardedVariable` alike.
+
 Replica counts. A variable's checkpoint holds one value, so it restores
 under any replica count: ``ON_WRITE`` variables take it; ``ON_READ`` ``SUM``
 variables split the total across their copies (exactly for integers:
@@ -77,7 +82,7 @@ import numpy as np
 from jaxdist._dtypes import lossy_cast, numeric
 from jaxdist._scope import get_strategy
 from jaxdist.values import DistributedValues, Mirrored, PerReplica
-from jaxdist.variables import Variable
+from jaxdist.variables import ShardedVariable, Variable
 from jaxdist.variables._meta import _mirrored_sharding
 
 __all__ = ["MANIFEST", "from_saveable", "restore", "save", "to_saveable"]
@@ -91,8 +96,9 @@ _LIST_AT_MOST = 5
 
 
 def is_saved_node(x: Any) -> bool:
-    """Leaves of a saved tree that are saved as one value each: variables, distributed values."""
-    return isinstance(x, (Variable, DistributedValues))
+    """Leaves of a saved tree that are saved as one value each: variables (a sharded one as
+    its full array), distributed values."""
+    return isinstance(x, (Variable, ShardedVariable, DistributedValues))
 
 
 def _is_key(x: Any) -> bool:
@@ -102,7 +108,7 @@ def _is_key(x: Any) -> bool:
 
 
 def _saved_value(x: Any) -> Any:
-    if isinstance(x, Variable):
+    if isinstance(x, (Variable, ShardedVariable)):
         return np.asarray(x._checkpoint_value())
     if isinstance(x, DistributedValues):
         return np.asarray(x.array)
@@ -231,8 +237,9 @@ def _check_leaf(
 
 def _restore_leaf(where: str, name: str, saved: Any, t: Any) -> Any:
     s = np.asarray(saved)
-    if isinstance(t, Variable):
-        _check_leaf(where, name, s, t.shape, t.dtype, f"variable {t.name!r}")
+    if isinstance(t, (Variable, ShardedVariable)):
+        what = "variable" if isinstance(t, Variable) else "sharded variable"
+        _check_leaf(where, name, s, t.shape, t.dtype, f"{what} {t.name!r}")
         return t._restore(s)
     if isinstance(t, PerReplica):
         n, rows = t.shape[0], s.shape[0] if s.ndim else 0

@@ -11,6 +11,7 @@ from jaxdist.input.options import AutoShardPolicy
 from jaxdist.strategies.central_storage import CentralStorageStrategy
 from jaxdist.strategies.multi_worker import MultiWorkerMirroredStrategy
 from jaxdist.values import ValueContext
+from jaxdist.variables import ShardedVariable
 
 __all__ = [
     "AutoShardPolicy",
@@ -19,6 +20,7 @@ __all__ = [
     "CommunicationImplementation",
     "CommunicationOptions",
     "MultiWorkerMirroredStrategy",
+    "ShardedVariable",
     "ValueContext",
     "partitioners",
     "set_program_cache_size",

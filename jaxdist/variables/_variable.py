@@ -30,6 +30,12 @@ in the first ``|remainder|``, so ``assign(100)`` on 8 replicas stores 13, 13,
 13, 13, 12, 12, 12, 12. A variable belongs to the strategy whose scope created
 it: using it while another strategy is in effect raises `ValueError`.
 
+With ``partitioner=`` (a `jaxdist.experimental.partitioners` partitioner, or any
+``partitioner(shape, dtype)`` returning shard counts), a variable of two or more rows
+is split along its first axis: ``Variable(...)`` then returns a
+`jaxdist.experimental.ShardedVariable` of one `Variable` per shard (see
+`jaxdist.variables._sharded`), or a plain `Variable` when there is one shard.
+
 `copy.deepcopy` copies the storage, placed alike. Pickling stores host arrays
 and metadata; unpickling creates the variable again under the strategy in
 effect then (the default one outside any scope), keeping ``ON_READ`` copies
@@ -40,6 +46,7 @@ when the replica count matches and otherwise restoring the saved aggregate as
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -70,6 +77,11 @@ __all__ = ["Variable", "VariableAggregation", "VariableSynchronization"]
 Sync = VariableSynchronization
 Agg = VariableAggregation
 
+# Builds a variable created with a partitioner (a `ShardedVariable`, or a `Variable` for one
+# shard). `_sharded`, the module above this one, fills it in: a low table filled by the high
+# module, so that this module never imports the one that builds on it.
+_PARTITIONED: list[Callable[..., Any]] = []
+
 
 class Variable(ReadsLikeAnArray):
     """A distributed variable: an array with synchronization and aggregation rules.
@@ -84,6 +96,10 @@ class Variable(ReadsLikeAnArray):
         dtype: the variable's dtype; by default the initial value's (float32,
             int32 or bool for Python numbers, as in TF). A 64-bit dtype needs
             ``jax_enable_x64``; without it JAX warns and uses 32 bits.
+        partitioner: an optional ``partitioner(shape, dtype)`` (such as
+            `jaxdist.experimental.partitioners.FixedShardsPartitioner`). When it
+            gives two or more shards, the result is a
+            `jaxdist.experimental.ShardedVariable` split along the first axis.
 
     Created inside ``strategy.scope()``, it is placed by that strategy.
 
@@ -100,6 +116,13 @@ class Variable(ReadsLikeAnArray):
     _stored: Any
     _meta: _Meta
 
+    def __new__(cls, *args: Any, partitioner: Any = None, **kwargs: Any) -> Any:
+        if partitioner is None:
+            return super().__new__(cls)
+        # A ShardedVariable (not a Variable: __init__ is then skipped), or a Variable built
+        # in full, which __init__ leaves as it is.
+        return _PARTITIONED[0](partitioner, *args, **kwargs)
+
     def __init__(
         self,
         initial_value: Any,
@@ -109,7 +132,10 @@ class Variable(ReadsLikeAnArray):
         trainable: bool | None = None,
         name: str | None = None,
         dtype: Any = None,
+        partitioner: Any = None,
     ) -> None:
+        if partitioner is not None:
+            return  # built by __new__
         where = f"jaxdist.Variable(name={name!r})"
         sync = Sync.from_any(synchronization, where=where)
         agg = Agg.from_any(aggregation, where=where)

@@ -367,8 +367,14 @@ def replicated(
             for x, info, kind in zip(outs, infos, kinds, strict=True)
         ]
 
+    # Manual over the replica axes only: other mesh axes (a `TPUStrategy`'s logical
+    # devices) stay automatic, so XLA's partitioner lays values out along them.
     outs = jax.shard_map(
-        body, mesh=strategy.mesh, in_specs=tuple(inputs.specs), out_specs=trace.specs
+        body,
+        mesh=strategy.mesh,
+        in_specs=tuple(inputs.specs),
+        out_specs=trace.specs,
+        axis_names=frozenset(axis_names(axis)),
     )(*inputs.flat)
     it = iter(zip(outs, trace.makers, strict=True))
     wrapped = []

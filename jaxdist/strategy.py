@@ -55,6 +55,15 @@ def _strong(fn: Callable[..., Any]) -> Callable[[], Callable[..., Any]]:
     return lambda: fn
 
 
+def _replica_values(x: DistributedValues, workers: tuple[jax.Device, ...]) -> tuple[Any, ...]:
+    """``x.values``, one per local replica: of a `Mirrored` on several devices per replica
+    (logical devices), the copies on the replicas' first devices."""
+    if isinstance(x, PerReplica) or len(x.values) == len(workers):
+        return x.values
+    copies = {s.device: s.data for s in getattr(x.array, "addressable_shards", ())}
+    return tuple(copies[d] for d in workers) if set(workers) <= set(copies) else x.values
+
+
 class Strategy:
     """Base class of all strategies: a mesh with one replica axis, and how to use it.
 
@@ -110,7 +119,7 @@ class Strategy:
         # ("host", "local")) the replica axis is all of them, in row-major order.
         shape, axis_names = check_mesh(type(self).__name__, len(devices), mesh_shape, axis_names)
         grid = np.array(devices, dtype=object).reshape(shape)
-        mesh = Mesh(grid, axis_names, axis_types=(AxisType.Auto,) * len(axis_names))
+        mesh = self._make_mesh(grid, axis_names)
         object.__setattr__(
             self, "_axis_name", axis_names[0] if len(axis_names) == 1 else axis_names
         )
@@ -122,7 +131,7 @@ class Strategy:
         key = (type(self), devices, shape, axis_names, cross_device_ops, *self._extra_key())
         object.__setattr__(self, "_key", key)
         object.__setattr__(self, "_hash", hash(key))
-        object.__setattr__(self, "_gate", _dispatch.needs_gate(devices))
+        object.__setattr__(self, "_gate", _dispatch.needs_gate(tuple(mesh.devices.flat)))
         object.__setattr__(self, "_parameter_placed", self.parameter_device is not None)
         object.__setattr__(self, "_last_program", [None, None])  # [weakref to fn, caller]
 
@@ -136,6 +145,14 @@ class Strategy:
     def _extra_key(self) -> tuple[Any, ...]:
         """Fields beyond devices and cross-device ops that tell two strategies apart."""
         return ()
+
+    def _make_mesh(self, grid: np.ndarray, axis_names: tuple[str, ...]) -> Mesh:
+        """The mesh over ``grid`` (the replicas' devices, laid out along ``axis_names``).
+
+        A subclass may add axes inside a replica (`TPUStrategy`'s logical devices);
+        `run` is manual over ``axis_names`` only, so such axes stay automatic.
+        """
+        return Mesh(grid, axis_names, axis_types=(AxisType.Auto,) * len(axis_names))
 
     def __eq__(self, other: object) -> bool:
         return self is other or (isinstance(other, Strategy) and self._key == other._key)
@@ -468,8 +485,11 @@ class Strategy:
         if not any(isinstance(x, DistributedValues) for x in leaves):
             return (value,)
         check_counts(self, self._name("experimental_local_results"), leaves)
-        n_local = len(self.extended.worker_devices)
-        columns = [x.values if isinstance(x, DistributedValues) else (x,) * n_local for x in leaves]
+        workers = self.extended.worker_devices
+        columns = [
+            _replica_values(x, workers) if isinstance(x, DistributedValues) else (x,) * len(workers)
+            for x in leaves
+        ]
         return tuple(jax.tree.unflatten(treedef, list(row)) for row in zip(*columns, strict=True))
 
     def experimental_distribute_values_from_function(
@@ -508,11 +528,15 @@ class Strategy:
                     f"dtype across replicas: {sorted(map(str, shapes))}. Per-replica values of "
                     "one leaf must agree so they can form one global array."
                 )
-            pieces = [
-                jax.device_put(jax.numpy.asarray(x)[None], d)
-                for x, (_, d) in zip(rows, local, strict=True)
-            ]
             shape = (n, *rows[0].shape)
+            # Row r goes to every device of replica r (several with logical devices).
+            by_replica = {
+                r: jax.numpy.asarray(x)[None] for x, (r, _) in zip(rows, local, strict=True)
+            }
+            pieces = [
+                jax.device_put(by_replica[index[0].indices(n)[0]], d)  # type: ignore[index]
+                for d, index in sharding.addressable_devices_indices_map(shape).items()
+            ]
             out.append(
                 PerReplica(jax.make_array_from_single_device_arrays(shape, sharding, pieces))
             )

@@ -75,6 +75,9 @@ if TYPE_CHECKING:  # the table below, spelled out for type checkers and IDEs
     from jaxdist.strategies.one_device import (
         OneDeviceStrategy,
     )
+    from jaxdist.strategies.tpu import (
+        TPUStrategy,
+    )
     from jaxdist.strategy import (
         Strategy,
     )
@@ -132,6 +135,7 @@ _PUBLIC: dict[str, str] = {
     "RunOptions": "jaxdist.options",
     "Strategy": "jaxdist.strategy",
     "StrategyExtended": "jaxdist.extended",
+    "TPUStrategy": "jaxdist.strategies.tpu",
     "TrainState": "jaxdist.training.state",
     "Variable": "jaxdist.variables._variable",
     "VariableAggregation": "jaxdist.variables._meta",

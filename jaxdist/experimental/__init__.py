@@ -10,6 +10,7 @@ from jaxdist.experimental import partitioners
 from jaxdist.input.options import AutoShardPolicy
 from jaxdist.strategies.central_storage import CentralStorageStrategy
 from jaxdist.strategies.multi_worker import MultiWorkerMirroredStrategy
+from jaxdist.strategies.tpu import TPUStrategy
 from jaxdist.values import ValueContext
 from jaxdist.variables import ShardedVariable
 
@@ -21,6 +22,7 @@ __all__ = [
     "CommunicationOptions",
     "MultiWorkerMirroredStrategy",
     "ShardedVariable",
+    "TPUStrategy",
     "ValueContext",
     "partitioners",
     "set_program_cache_size",

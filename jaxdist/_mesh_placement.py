@@ -10,7 +10,7 @@ from jax.sharding import NamedSharding
 
 from jaxdist._jax_compat import is_tracer
 from jaxdist._protocols import StrategyLike
-from jaxdist.values import Mirrored, PerReplica
+from jaxdist.values import DistributedValues, Mirrored, PerReplica
 from jaxdist.variables import Variable, is_distributed
 
 
@@ -47,3 +47,12 @@ def variables_to(sharding: jax.sharding.Sharding, tree: Any) -> Any:
         return v
 
     return jax.tree.map(move, tree, is_leaf=is_distributed)
+
+
+def replica_values(x: DistributedValues, workers: tuple[jax.Device, ...]) -> tuple[Any, ...]:
+    """``x.values``, one per local replica: of a `Mirrored` on several devices per replica
+    (logical devices), the copies on the replicas' first devices."""
+    if isinstance(x, PerReplica) or len(x.values) == len(workers):
+        return x.values
+    copies = {s.device: s.data for s in getattr(x.array, "addressable_shards", ())}
+    return tuple(copies[d] for d in workers) if set(workers) <= set(copies) else x.values

@@ -26,10 +26,7 @@ from jaxdist import _dispatch
 from jaxdist._compile import describe_bad_leaf
 from jaxdist._cross_replica import gather_leaf, reduce_distributed, reduce_leaf
 from jaxdist._jax_compat import is_incompatible_devices
-from jaxdist._mesh_placement import (
-    onto_mesh,
-    variables_to,
-)
+from jaxdist._mesh_placement import onto_mesh, replica_values, variables_to
 from jaxdist._programs import LoweredStep, Program, program_for
 from jaxdist._scope import _STATE, check_cross_replica, strategy_scope
 from jaxdist._strategy_checks import (
@@ -53,15 +50,6 @@ AXIS_NAME = "replica"
 
 def _strong(fn: Callable[..., Any]) -> Callable[[], Callable[..., Any]]:
     return lambda: fn
-
-
-def _replica_values(x: DistributedValues, workers: tuple[jax.Device, ...]) -> tuple[Any, ...]:
-    """``x.values``, one per local replica: of a `Mirrored` on several devices per replica
-    (logical devices), the copies on the replicas' first devices."""
-    if isinstance(x, PerReplica) or len(x.values) == len(workers):
-        return x.values
-    copies = {s.device: s.data for s in getattr(x.array, "addressable_shards", ())}
-    return tuple(copies[d] for d in workers) if set(workers) <= set(copies) else x.values
 
 
 class Strategy:
@@ -487,7 +475,7 @@ class Strategy:
         check_counts(self, self._name("experimental_local_results"), leaves)
         workers = self.extended.worker_devices
         columns = [
-            _replica_values(x, workers) if isinstance(x, DistributedValues) else (x,) * len(workers)
+            replica_values(x, workers) if isinstance(x, DistributedValues) else (x,) * len(workers)
             for x in leaves
         ]
         return tuple(jax.tree.unflatten(treedef, list(row)) for row in zip(*columns, strict=True))

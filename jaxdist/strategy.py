@@ -41,7 +41,7 @@ from jaxdist.extended import StrategyExtended
 from jaxdist.options import RunOptions
 from jaxdist.reduce import CrossDeviceOps, NcclAllReduce, ReduceOp
 from jaxdist.values import DistributedValues, PerReplica, ValueContext
-from jaxdist.variables import as_distributed, is_distributed
+from jaxdist.variables import as_distributed, is_distributed, unshard
 
 __all__ = ["Strategy"]
 
@@ -415,6 +415,7 @@ class Strategy:
                 "replicas only, an int also along that axis of each replica's value."
             )
         n = self.num_replicas_in_sync
+        value = unshard(value)
         check_numeric(self, where, value)
         leaves, treedef = jax.tree.flatten(value, is_leaf=is_distributed)
         leaves = [as_distributed(x) for x in leaves]
@@ -450,6 +451,7 @@ class Strategy:
                 "without concatenating, use reduce."
             )
         n = self.num_replicas_in_sync
+        value = unshard(value)
         check_numeric(self, where, value)
         check_counts(
             self, where, [as_distributed(x) for x in jax.tree.leaves(value, is_leaf=is_distributed)]
@@ -468,6 +470,7 @@ class Strategy:
         A non-distributed value gives ``(value,)``. For a pytree with distributed
         leaves, each entry is a pytree of the same structure.
         """
+        value = unshard(value)
         leaves, treedef = jax.tree.flatten(value, is_leaf=is_distributed)
         leaves = [as_distributed(x) for x in leaves]
         if not any(isinstance(x, DistributedValues) for x in leaves):

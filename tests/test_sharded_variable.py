@@ -448,19 +448,39 @@ def test_is_a_pytree_of_its_shards_and_jit_compiles_once() -> None:
     np.testing.assert_array_equal(doubled.numpy(), _DATA * 2)
 
 
-def test_local_results_and_tree_maps_that_put_arrays_in_place_of_the_shards() -> None:
+def test_cross_replica_methods_see_the_whole_variable() -> None:
+    """``experimental_local_results``, ``reduce`` and ``gather`` take a sharded variable as
+    one value (its shards concatenated), as they take a plain variable."""
     strategy = jd.MirroredStrategy(jax.devices()[:2])
     with strategy.scope():
         v = jd.Variable(_DATA, partitioner=P.FixedShardsPartitioner(3))
+        plain = jd.Variable(_DATA)
     local = strategy.experimental_local_results(v)
     assert len(local) == 2
     for r in local:
-        assert isinstance(r, SV) and not isinstance(r.variables[0], jd.Variable)
-        np.testing.assert_array_equal(r.numpy(), _DATA)
-        np.testing.assert_array_equal(r[4], _DATA[4])
-        np.testing.assert_array_equal(r.sparse_read([7, 0]), _DATA[[7, 0]])
-        with pytest.raises(TypeError, match="holds arrays, not variables"):
-            r.assign_add(1)
+        assert isinstance(r, jax.Array)
+        np.testing.assert_array_equal(np.asarray(r), _DATA)
+    for op in ("sum", "mean", "max"):
+        for axis in (None, 0):
+            got = strategy.reduce(op, {"w": v}, axis=axis)["w"]
+            want = strategy.reduce(op, {"w": plain}, axis=axis)["w"]
+            np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    np.testing.assert_array_equal(
+        np.asarray(strategy.reduce("sum", v, axis=None)), _DATA * 2
+    )  # two mirrored copies
+
+
+def test_tree_maps_that_put_arrays_in_place_of_the_shards() -> None:
+    strategy = jd.MirroredStrategy(jax.devices()[:2])
+    with strategy.scope():
+        v = jd.Variable(_DATA, partitioner=P.FixedShardsPartitioner(3))
+    r = jax.tree.map(np.asarray, v, is_leaf=lambda x: isinstance(x, jd.Variable))
+    assert isinstance(r, SV) and not isinstance(r.variables[0], jd.Variable)
+    np.testing.assert_array_equal(r.numpy(), _DATA)
+    np.testing.assert_array_equal(r[4], _DATA[4])
+    np.testing.assert_array_equal(r.sparse_read([7, 0]), _DATA[[7, 0]])
+    with pytest.raises(TypeError, match="holds arrays, not variables"):
+        r.assign_add(1)
 
 
 def test_training_step_through_run_on_eight_replicas_matches_numpy() -> None:

@@ -12,7 +12,7 @@ aggregated across replicas).
 from __future__ import annotations
 
 from jaxdist.variables._meta import VariableAggregation, VariableSynchronization
-from jaxdist.variables._sharded import ShardedVariable
+from jaxdist.variables._sharded import ShardedVariable, unshard
 from jaxdist.variables._variable import Variable, as_distributed, is_distributed
 
 __all__ = [
@@ -22,4 +22,5 @@ __all__ = [
     "VariableSynchronization",
     "as_distributed",
     "is_distributed",
+    "unshard",
 ]

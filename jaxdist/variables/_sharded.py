@@ -42,7 +42,7 @@ from jaxdist.values import Mirrored, PerReplica
 from jaxdist.variables import _variable
 from jaxdist.variables._dtypes import initial_array
 from jaxdist.variables._ops import ReadsLikeAnArray
-from jaxdist.variables._variable import Variable
+from jaxdist.variables._variable import Variable, as_distributed
 
 __all__ = ["ShardedVariable", "div_rows"]
 
@@ -514,6 +514,26 @@ def partitioned_variable(partitioner: Any, initial_value: Any, **kwargs: Any) ->
         part = value[int(offsets[i]) : int(offsets[i + 1])]
         shards.append(Variable(part, **{**kwargs, "name": part_name}))
     return ShardedVariable(shards, name=name)
+
+
+def whole(x: Any) -> Any:
+    """A sharded variable as one distributed value (cross-replica methods see the whole
+    variable, not its shards): its shards' `Mirrored` copies (``ON_WRITE``) or
+    `PerReplica` copies (``ON_READ``) concatenated along the variable's first axis;
+    anything else is returned as is."""
+    if not isinstance(x, ShardedVariable) or not all(isinstance(v, Variable) for v in x._variables):
+        return x
+    parts = [as_distributed(v) for v in x._variables]
+    if all(isinstance(p, Mirrored) for p in parts):
+        return Mirrored(jnp.concatenate([p.array for p in parts], axis=0))
+    if all(isinstance(p, PerReplica) for p in parts):
+        return PerReplica(jnp.concatenate([p.array for p in parts], axis=1))
+    return x
+
+
+def unshard(tree: Any) -> Any:
+    """``tree`` with every sharded variable replaced by `whole` of it."""
+    return jax.tree.map(whole, tree, is_leaf=lambda x: isinstance(x, ShardedVariable))
 
 
 _variable._PARTITIONED[:] = [partitioned_variable]

@@ -68,6 +68,9 @@ def main() -> None:
     parser.add_argument("--exit-rank", type=int, default=1)
     parser.add_argument("--exit-after", type=float, default=0.3)
     parser.add_argument("--fail-first-start", action="store_true", help="rank 1 exits 3 at start 0")
+    parser.add_argument(
+        "--preempted-starts", type=int, default=0, help="--exit-rank exits 42 in starts 0..N-1"
+    )
     parser.add_argument("--spawn", action="store_true", help="start a helper that sleeps")
     parser.add_argument("--signals", choices=["default", "ignore", "report"], default="default")
     parser.add_argument("--lines", type=int, default=0)
@@ -100,6 +103,9 @@ def main() -> None:
         sys.stdout.flush()
     if args.fail_first_start and rank == 1 and os.environ["JAXDIST_RESTART_COUNT"] == "0":
         sys.exit(3)
+    if rank == args.exit_rank and int(os.environ["JAXDIST_RESTART_COUNT"]) < args.preempted_starts:
+        time.sleep(args.exit_after)
+        sys.exit(42)
     if args.exit is not None and rank == args.exit_rank:
         time.sleep(args.exit_after)
         sys.exit(args.exit)

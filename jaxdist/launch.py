@@ -73,11 +73,12 @@ launcher exits with code 42, for an outer scheduler to restart.
 
 In a `jax.distributed` job (``MultiWorkerMirroredStrategy``) SIGTERM does
 not stop a process: JAX's preemption service takes it as a preemption notice
-(`jax.experimental.multihost_utils.reached_preemption_sync_point` reports it;
-a `PreemptionCheckpointHandler` takes it instead) and training goes on. Such a job therefore stops ``--kill-timeout`` seconds
-after the first failure, by SIGKILL: measured on localhost with 2 processes
-x 4 CPU devices, the launcher exited 5.4 s after one process was killed,
-with the default of 5 s.
+(`jax.experimental.multihost_utils.reached_preemption_sync_point` reports it)
+and training goes on (a `PreemptionCheckpointHandler` takes it instead: it
+saves and exits with 42). Such a job therefore stops ``--kill-timeout``
+seconds after the first failure, by SIGKILL: measured on localhost with 2
+processes x 4 CPU devices, the launcher exited 5.4 s after one process was
+killed, with the default of 5 s.
 
 Exit code of the launcher:
 

@@ -384,6 +384,75 @@ def test_two_processes_save_after_the_same_step(tmp_path: Path) -> None:
     print("run() cost per call, 2 processes:", [f"{r['per_call'] * 1e3:.2f} ms" for r in results])
 
 
+_GRACE = textwrap.dedent(
+    """
+    import json, sys, threading, time
+    import jax
+    jax.config.update("jax_num_cpu_devices", 4)
+    jax.distributed.initialize(
+        coordinator_address=f"127.0.0.1:{sys.argv[2]}", num_processes=2,
+        process_id=int(sys.argv[1]), initialization_timeout=60,
+    )
+    import jax.numpy as jnp
+    import jaxdist as jd
+
+    strategy = jd.MultiWorkerMirroredStrategy()
+    ckpt = jd.checkpoint.Checkpoint(w=jnp.zeros(()))
+    manager = jd.checkpoint.CheckpointManager(ckpt, DIRECTORY, max_to_keep=None)
+    notice = threading.Event()  # only process 0 gets a notice, with 2 s to go
+    saves, exits = [], []
+
+    def save():  # save_fn: the manager's save, recording when
+        saves.append(handler.total_run_calls)
+        manager.save()
+
+    handler = jd.experimental.PreemptionCheckpointHandler(
+        strategy.cluster_resolver, manager, None,
+        jd.experimental.TerminationConfig(
+            termination_watcher_fn=notice.is_set, grace_period=2.0, save_fn=save,
+            exit_fn=lambda: exits.append((time.monotonic(), handler.total_run_calls))))
+
+    @strategy.function
+    def add(ctx, w):
+        return w + ctx.all_reduce("sum", 1.0)
+
+    def step():
+        ckpt.w = add(ckpt.w)
+
+    while not exits:
+        handler.run(step)
+        if jax.process_index() == 0 and handler.total_run_calls == 5:
+            notice.set()
+            set_at = time.monotonic()
+        time.sleep(0.02)
+    out = {"saves": saves, "exit_at": exits[0][1], "w": float(ckpt.w)}
+    if jax.process_index() == 0:
+        out["exit_after_s"] = exits[0][0] - set_at
+    print(json.dumps(out))
+    jax.distributed.shutdown()
+    """
+)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_two_processes_grace_period_saves_twice_at_agreed_steps(tmp_path: Path) -> None:
+    results = run_workers(_GRACE.replace("DIRECTORY", repr(str(tmp_path))))
+    first, final = results[0]["saves"]
+    assert results[1]["saves"] == [first, final] and final - first >= 10  # trained on between
+    assert results[0]["exit_at"] == results[1]["exit_at"] == final
+    # Process 0's notice came within the watcher's 0.5 s of the event; the last save leaves
+    # about three steps and a save's time before the 2 s are up (generous bounds).
+    assert 1.0 <= results[0]["exit_after_s"] <= 2.0 + 0.5 + 1.5, results[0]
+    assert results[0]["w"] == results[1]["w"] == 8.0 * final  # w counts the steps
+    # The manager given was used: both saves are there, the last one holds the last step.
+    again = jd.checkpoint.Checkpoint(w=jnp.zeros(()), total_run_calls=0)
+    manager = jd.checkpoint.CheckpointManager(again, tmp_path, max_to_keep=None)
+    assert [os.path.basename(p) for p in manager.checkpoints] == ["ckpt-1", "ckpt-2"]
+    manager.restore_or_initialize()
+    assert again.total_run_calls == final and float(again.w) == 8.0 * final
+
+
 def _saved_scalar(directory: Path) -> tuple[int, float]:
     with jd.MirroredStrategy().scope():
         w = jd.Variable(jnp.zeros(()), aggregation="sum")

@@ -24,8 +24,9 @@ process, so none is past the count when it learns it. Each process checks the
 store after every call (one non-blocking request), so a process that waits
 for the others only waits for them to finish calls it has already dispatched
 (an XLA collective in flight never needs a step that the waiting process has
-not started). The check costs one request per call; measured figures are in
-the handler's docstring.
+not started). The check costs one request per call: measured with 2 local
+processes on 2 loaded CPU cores, ``run`` took 0.2 to 0.3 ms more per call
+(one process: about 1 us, no request).
 
 Keys live under ``jaxdist/preemption/<handler>/<round>/``: ``<handler>``
 counts the handlers a process made, so every process must make them in the

@@ -69,7 +69,10 @@ restarts the group without counting it against K, as often as it happens
 --max-restarts 1, ...)``. ``JAXDIST_RESTART_COUNT`` counts every restart.
 The handler restores the latest checkpoint when it is created, so the
 restarted job resumes where it stopped. Without ``--max-restarts`` the
-launcher exits with code 42, for an outer scheduler to restart.
+launcher exits with code 42, for an outer scheduler to restart, as it does
+when it was sent SIGTERM itself (it forwards it; restarts stop) and every
+process saved and exited with 42: leave ``--kill-timeout`` long enough for
+that save.
 
 In a `jax.distributed` job (``MultiWorkerMirroredStrategy``) SIGTERM does
 not stop a process: JAX's preemption service takes it as a preemption notice
@@ -86,7 +89,8 @@ Exit code of the launcher:
 * the first failure's exit code, or ``128 + S`` if it died by signal ``S``
   (137 for SIGKILL), once no restart is left;
 * 2: bad arguments, or a script that does not exist (nothing was started);
-* ``128 + S`` when the launcher itself got signal ``S`` (130 for Ctrl-C);
+* ``128 + S`` when the launcher itself got signal ``S`` (130 for Ctrl-C),
+  except 42 when every process then exited with 42 (each saved a checkpoint);
 * 1: a process could not be started at all.
 
 Signals: SIGINT, SIGTERM and SIGHUP sent to the launcher are forwarded to
@@ -175,6 +179,7 @@ class _Round:
     failure: tuple[int, int] | None = None  # (process id, return code) of the first failure
     others_stopped: int = 0  # processes still running at the first failure
     signal: int | None = None  # the first signal the launcher got
+    preempted: bool = False  # every process exited with PREEMPTED_EXIT_CODE
 
 
 class _Job:
@@ -199,7 +204,11 @@ class _Job:
             if result.failure is None:
                 if result.signal is None:
                     return 0
-                say(f"stopped after {signal.Signals(result.signal).name}.")
+                name = signal.Signals(result.signal).name
+                if result.preempted:  # they took the signal as a preemption notice
+                    say(f"stopped after {name}; every process exited with code 42 (preempted).")
+                    return PREEMPTED_EXIT_CODE
+                say(f"stopped after {name}.")
                 return 128 + result.signal
             rank, returncode = result.failure
             code = exit_code(returncode)
@@ -286,6 +295,7 @@ class _Job:
                 result.others_stopped, stop_at = len(running), time.monotonic()
                 signal_groups(groups, signal.SIGTERM)
             if not running:
+                result.preempted = all(code == PREEMPTED_EXIT_CODE for code in codes)
                 break
             if (
                 stop_at is not None

@@ -781,6 +781,20 @@ def test_counted_preemptions_and_no_restarts(launcher: type[Launcher]) -> None:
     )
 
 
+@pytest.mark.timeout(60)
+def test_sigterm_to_the_launcher_of_a_preempted_job_exits_42(launcher: type[Launcher]) -> None:
+    job = launcher("--nprocs", "2", "--max-restarts", "3", CHILD, "--signals", "preempted",
+                   "--sleep", "30")  # fmt: skip
+    job.reports(2)
+    job.proc.send_signal(signal.SIGTERM)
+    rc, out, err = job.finish()
+    assert rc == 42, err
+    assert out.count("saved after SIGTERM") == 2 and "restarting" not in err
+    assert err.strip().splitlines()[-1] == (
+        "jaxdist.launch: stopped after SIGTERM; every process exited with code 42 (preempted)."
+    )
+
+
 def test_preempted_exit_code_matches_the_handler() -> None:
     from jaxdist.experimental import _preemption
 

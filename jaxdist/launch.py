@@ -21,6 +21,7 @@ Options:
 ``--devices-per-proc K``     CPU: simulated devices per process (default 1)
 ``--gpus-per-proc K``        GPU: give process ``i`` the GPUs ``i*K .. i*K+K-1``
 ``--max-restarts K``         restart the whole group up to K times (default 0)
+``--count-preemptions``      count restarts after preemptions against K too
 ``--kill-timeout SECONDS``   grace between SIGTERM and SIGKILL (default 5)
 ``--coordinator-port PORT``  pin the coordinator port (alias ``--master-port``)
 ``--no-prefix``              do not prefix output lines with ``[i] ``
@@ -57,13 +58,30 @@ group is then started again, with a new coordinator port and
 their checkpoints. A process that exits with code 0 while others run is
 simply done.
 
+Preemptions: exit code 42 (`PREEMPTED_EXIT_CODE`) means "preempted: I saved a
+checkpoint, restart me", as in TF; it is what
+`jaxdist.experimental.PreemptionCheckpointHandler` exits with after its save.
+When the first failure of a start is that code, ``--max-restarts K`` (K >= 1)
+restarts the group without counting it against K, as often as it happens
+(``--count-preemptions`` counts it like any failure); the message reads
+``process 1 exited with code 42 (first failure: preempted); ...`` and then
+``restarting all 2 processes (after preemption 1, not counted against
+--max-restarts 1, ...)``. ``JAXDIST_RESTART_COUNT`` counts every restart.
+The handler restores the latest checkpoint when it is created, so the
+restarted job resumes where it stopped. Without ``--max-restarts`` the
+launcher exits with code 42, for an outer scheduler to restart, as it does
+when it was sent SIGTERM itself (it forwards it; restarts stop) and every
+process saved and exited with 42: leave ``--kill-timeout`` long enough for
+that save.
+
 In a `jax.distributed` job (``MultiWorkerMirroredStrategy``) SIGTERM does
 not stop a process: JAX's preemption service takes it as a preemption notice
 (`jax.experimental.multihost_utils.reached_preemption_sync_point` reports it)
-and training goes on. Such a job therefore stops ``--kill-timeout`` seconds
-after the first failure, by SIGKILL: measured on localhost with 2 processes
-x 4 CPU devices, the launcher exited 5.4 s after one process was killed,
-with the default of 5 s.
+and training goes on (a `PreemptionCheckpointHandler` takes it instead: it
+saves and exits with 42). Such a job therefore stops ``--kill-timeout``
+seconds after the first failure, by SIGKILL: measured on localhost with 2
+processes x 4 CPU devices, the launcher exited 5.4 s after one process was
+killed, with the default of 5 s.
 
 Exit code of the launcher:
 
@@ -71,7 +89,8 @@ Exit code of the launcher:
 * the first failure's exit code, or ``128 + S`` if it died by signal ``S``
   (137 for SIGKILL), once no restart is left;
 * 2: bad arguments, or a script that does not exist (nothing was started);
-* ``128 + S`` when the launcher itself got signal ``S`` (130 for Ctrl-C);
+* ``128 + S`` when the launcher itself got signal ``S`` (130 for Ctrl-C),
+  except 42 when every process then exited with 42 (each saved a checkpoint);
 * 1: a process could not be started at all.
 
 Signals: SIGINT, SIGTERM and SIGHUP sent to the launcher are forwarded to
@@ -95,13 +114,26 @@ import argparse
 import dataclasses
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import TextIO
 
+from jaxdist._launch_config import (
+    DEFAULT_KILL_TIMEOUT,
+    ENV_COORDINATOR_ADDRESS,
+    ENV_LOCAL_DEVICE_COUNT,
+    ENV_NUM_PROCESSES,
+    ENV_PROCESS_ID,
+    ENV_RESTART_COUNT,
+    LOOPBACK,
+    PREEMPTED_EXIT_CODE,
+    LaunchConfig,
+    child_environment,
+    free_port,
+    port_in_use,
+)
 from jaxdist._launch_output import POLL_INTERVAL as POLL_INTERVAL
 from jaxdist._launch_output import Output as Output
 from jaxdist._launch_processes import (
@@ -116,6 +148,12 @@ from jaxdist._launch_processes import (
 
 __all__ = [
     "DEFAULT_KILL_TIMEOUT",
+    "ENV_COORDINATOR_ADDRESS",
+    "ENV_LOCAL_DEVICE_COUNT",
+    "ENV_NUM_PROCESSES",
+    "ENV_PROCESS_ID",
+    "ENV_RESTART_COUNT",
+    "PREEMPTED_EXIT_CODE",
     "LaunchConfig",
     "child_environment",
     "free_port",
@@ -123,187 +161,7 @@ __all__ = [
     "main",
 ]
 
-# The launcher's contract with `jaxdist.cluster_resolver.LauncherClusterResolver` (same names;
-# a test checks). Spelled out here so that this module and its two private helpers need only the
-# standard library: ``import jaxdist`` loads its names lazily, so the launcher starts without
-# importing JAX (tests/test_package.py checks).
-ENV_COORDINATOR_ADDRESS = "JAXDIST_COORDINATOR_ADDRESS"
-ENV_NUM_PROCESSES = "JAXDIST_NUM_PROCESSES"
-ENV_PROCESS_ID = "JAXDIST_PROCESS_ID"
-ENV_LOCAL_DEVICE_COUNT = "JAXDIST_LOCAL_DEVICE_COUNT"
-ENV_RESTART_COUNT = "JAXDIST_RESTART_COUNT"
-
-LOOPBACK = "127.0.0.1"
-DEFAULT_KILL_TIMEOUT = 5.0
 _DRAIN_TIMEOUT = 2.0  # seconds to finish copying output after the processes exited
-
-
-@dataclasses.dataclass(frozen=True)
-class LaunchConfig:
-    """What to start and how: the launcher's command line as a value.
-
-    Args:
-        program: the script path, or the module name when ``module`` is true.
-        args: the program's arguments.
-        module: run ``program`` as ``python -m program``.
-        nprocs: the number of processes, at least 1.
-        devices_per_proc: CPU only: simulated devices per process (``None``: 1).
-        gpus_per_proc: GPUs per process; selects the GPU platform.
-        max_restarts: how many times the group may be restarted after a failure.
-        kill_timeout: seconds between SIGTERM and SIGKILL when stopping processes.
-        coordinator_port: a fixed coordinator port on 127.0.0.1 (``None``: a free one).
-        prefix: prefix each output line with ``[i] ``.
-
-    Example:
-        >>> from jaxdist.launch import LaunchConfig
-        >>> LaunchConfig("train.py", args=("--epochs", "1"), nprocs=2).command()[1:]
-        ['train.py', '--epochs', '1']
-        >>> LaunchConfig("train.py", nprocs=0)
-        Traceback (most recent call last):
-        ...
-        ValueError: LaunchConfig(nprocs=0) (--nprocs): must be at least 1 (the number of processes).
-    """
-
-    program: str
-    args: tuple[str, ...] = ()
-    module: bool = False
-    nprocs: int = 1
-    devices_per_proc: int | None = None
-    gpus_per_proc: int | None = None
-    max_restarts: int = 0
-    kill_timeout: float = DEFAULT_KILL_TIMEOUT
-    coordinator_port: int | None = None
-    prefix: bool = True
-
-    def __post_init__(self) -> None:
-        port, inf = self.coordinator_port, float("inf")
-        for name, value, low, high, why in [
-            ("nprocs", self.nprocs, 1, inf, "must be at least 1 (the number of processes)"),
-            ("max_restarts", self.max_restarts, 0, inf, "must be >= 0 (0: never restart)"),
-            ("kill_timeout", self.kill_timeout, 0, inf, "must be >= 0 (0: SIGKILL at once)"),
-            ("devices_per_proc", self.devices_per_proc, 1, inf, "must be >= 1, or None for 1"),
-            ("gpus_per_proc", self.gpus_per_proc, 1, inf, "must be >= 1, or None for CPU"),
-            ("coordinator_port", port, 1, 65535, "must be in 1..65535, or None for a free one"),
-        ]:
-            if value is not None and not low <= value <= high:
-                option = "--" + name.replace("_", "-")
-                raise ValueError(f"LaunchConfig({name}={value!r}) ({option}): {why}.")
-        if self.devices_per_proc is not None and self.gpus_per_proc is not None:
-            raise ValueError(
-                f"LaunchConfig(devices_per_proc={self.devices_per_proc}, gpus_per_proc="
-                f"{self.gpus_per_proc}): devices_per_proc is for simulated CPU devices and "
-                "gpus_per_proc for GPUs; pass one of them."
-            )
-        if self.module and not all(part.isidentifier() for part in self.program.split(".")):
-            raise ValueError(
-                f"LaunchConfig(program={self.program!r}, module=True): not a dotted module name "
-                "such as 'package.module'; without -m (module=False) the program is a script path."
-            )
-
-    @property
-    def local_device_count(self) -> int:
-        """Devices each process gets: ``gpus_per_proc``, else ``devices_per_proc``, else 1."""
-        return self.gpus_per_proc or self.devices_per_proc or 1
-
-    def command(self) -> list[str]:
-        """The command line of every process: this Python running the program with its args."""
-        target = ["-m", self.program] if self.module else [self.program]
-        return [sys.executable, *target, *self.args]
-
-
-def child_environment(
-    config: LaunchConfig,
-    process_id: int,
-    port: int,
-    restart_count: int = 0,
-    base: Mapping[str, str] | None = None,
-) -> dict[str, str]:
-    """The environment of process ``process_id``: ``base`` plus the launcher's variables.
-
-    See the module docstring for the variables. Device variables replace inherited
-    ones, since a launcher started from a process with its own device count (a
-    test run, a notebook) must still give each process ``K`` devices.
-
-    Args:
-        config: the launch configuration.
-        process_id: the process's index, ``0 <= process_id < config.nprocs``.
-        port: the coordinator's port on 127.0.0.1.
-        restart_count: how many times the group was restarted before this start.
-        base: the inherited environment (default: this process's ``os.environ``).
-
-    Returns:
-        A new dictionary.
-
-    Raises:
-        ValueError: ``process_id`` is out of range, or ``--gpus-per-proc`` asks for more
-            GPUs than ``CUDA_VISIBLE_DEVICES`` in ``base`` lists.
-
-    Example:
-        >>> from jaxdist.launch import LaunchConfig, child_environment
-        >>> config = LaunchConfig("train.py", nprocs=2, devices_per_proc=4)
-        >>> env = child_environment(config, 1, port=8476, base={"JAX_NUM_CPU_DEVICES": "8"})
-        >>> for key in sorted(env):
-        ...     print(key, env[key])
-        JAXDIST_COORDINATOR_ADDRESS 127.0.0.1:8476
-        JAXDIST_LOCAL_DEVICE_COUNT 4
-        JAXDIST_NUM_PROCESSES 2
-        JAXDIST_PROCESS_ID 1
-        JAXDIST_RESTART_COUNT 0
-        JAX_NUM_CPU_DEVICES 4
-        JAX_PLATFORMS cpu
-        PYTHONUNBUFFERED 1
-        >>> gpus = LaunchConfig("train.py", nprocs=2, gpus_per_proc=2)
-        >>> child_environment(gpus, 1, 8476, base={"CUDA_VISIBLE_DEVICES": "4,5,6,7"})[
-        ...     "CUDA_VISIBLE_DEVICES"]
-        '6,7'
-    """
-    if not 0 <= process_id < config.nprocs:
-        raise ValueError(
-            f"child_environment(process_id={process_id}): must be in 0..{config.nprocs - 1} "
-            f"for nprocs={config.nprocs}."
-        )
-    env = dict(os.environ if base is None else base)
-    k = config.local_device_count
-    env[ENV_COORDINATOR_ADDRESS] = f"{LOOPBACK}:{port}"
-    env[ENV_NUM_PROCESSES] = str(config.nprocs)
-    env[ENV_PROCESS_ID] = str(process_id)
-    env[ENV_LOCAL_DEVICE_COUNT] = str(k)
-    env[ENV_RESTART_COUNT] = str(restart_count)
-    env.setdefault("PYTHONUNBUFFERED", "1")
-    if config.gpus_per_proc is None:
-        env["JAX_NUM_CPU_DEVICES"] = str(k)
-        env.setdefault("JAX_PLATFORMS", "cpu")
-        return env
-    listed = env.get("CUDA_VISIBLE_DEVICES", "").strip()
-    gpus = [g.strip() for g in listed.split(",") if g.strip()] if listed else None
-    needed = config.nprocs * k
-    if gpus is None:
-        gpus = [str(g) for g in range(needed)]
-    if len(gpus) < needed:
-        raise ValueError(
-            f"child_environment: --gpus-per-proc {k} x --nprocs {config.nprocs} needs {needed} "
-            f"GPUs but CUDA_VISIBLE_DEVICES={listed!r} lists {len(gpus)}; lower --nprocs or "
-            "--gpus-per-proc, or list more GPUs."
-        )
-    env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus[process_id * k : (process_id + 1) * k])
-    return env
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago (the OS's pick for port 0)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((LOOPBACK, 0))
-        return int(s.getsockname()[1])
-
-
-def _port_in_use(port: int) -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind((LOOPBACK, port))
-        except OSError:
-            return True
-    return False
 
 
 def _processes(n: int) -> str:
@@ -321,6 +179,7 @@ class _Round:
     failure: tuple[int, int] | None = None  # (process id, return code) of the first failure
     others_stopped: int = 0  # processes still running at the first failure
     signal: int | None = None  # the first signal the launcher got
+    preempted: bool = False  # every process exited with PREEMPTED_EXIT_CODE
 
 
 class _Job:
@@ -332,38 +191,57 @@ class _Job:
 
     def run(self) -> int:
         config, say = self._config, self._output.message
-        restart = 0
+        restarts = failures = preemptions = 0  # all restarts; those counted; those not
+        why = ""
         while True:
             port = config.coordinator_port or free_port()
-            if restart:
-                say(
-                    f"restarting all {_processes(config.nprocs)} (restart {restart} of "
-                    f"{config.max_restarts}, coordinator {LOOPBACK}:{port})."
-                )
+            if restarts:
+                group = _processes(config.nprocs)
+                say(f"restarting all {group} ({why}, coordinator {LOOPBACK}:{port}).")
             result = self._run_round(
-                [child_environment(config, i, port, restart) for i in range(config.nprocs)]
+                [child_environment(config, i, port, restarts) for i in range(config.nprocs)]
             )
             if result.failure is None:
                 if result.signal is None:
                     return 0
-                say(f"stopped after {signal.Signals(result.signal).name}.")
+                name = signal.Signals(result.signal).name
+                if result.preempted:  # they took the signal as a preemption notice
+                    say(f"stopped after {name}; every process exited with code 42 (preempted).")
+                    return PREEMPTED_EXIT_CODE
+                say(f"stopped after {name}.")
                 return 128 + result.signal
             rank, returncode = result.failure
             code = exit_code(returncode)
+            preempted = returncode == PREEMPTED_EXIT_CODE
             others = result.others_stopped
             stopped = f"stopped the other {_processes(others)}"
             if not others:
                 stopped = "no other process was running"
-            say(f"process {rank} {describe(returncode)} (first failure); {stopped}.")
+            first = "first failure: preempted" if preempted else "first failure"
+            say(f"process {rank} {describe(returncode)} ({first}); {stopped}.")
             if result.signal is not None or self._trap.received:
                 return code
-            if restart >= config.max_restarts:
+            restarts += 1
+            if preempted and config.max_restarts and not config.count_preemptions:
+                preemptions += 1
+                why = (
+                    f"after preemption {preemptions}, not counted against --max-restarts "
+                    f"{config.max_restarts}"
+                )
+                continue
+            if failures >= config.max_restarts:
                 if config.max_restarts:
                     say(
                         f"no restart left (--max-restarts {config.max_restarts}); exit code {code}."
                     )
+                elif preempted:
+                    say(
+                        f"exit code {code}: the process saved a checkpoint and asks to be "
+                        "restarted; --max-restarts K restarts such a job (without counting it)."
+                    )
                 return code
-            restart += 1
+            failures += 1
+            why = f"restart {failures} of {config.max_restarts}"
 
     def _start(self, env: dict[str, str]) -> subprocess.Popen[bytes]:
         return subprocess.Popen(
@@ -417,6 +295,7 @@ class _Job:
                 result.others_stopped, stop_at = len(running), time.monotonic()
                 signal_groups(groups, signal.SIGTERM)
             if not running:
+                result.preempted = all(code == PREEMPTED_EXIT_CODE for code in codes)
                 break
             if (
                 stop_at is not None
@@ -513,6 +392,8 @@ def _parser(prog: str) -> argparse.ArgumentParser:
         metavar="K",
         help="group restarts after failures (default 0)",
     )
+    add("--count-preemptions", action="store_true",
+        help="count restarts after a preemption (exit code 42) against --max-restarts")  # fmt: skip
     add("--kill-timeout", type=float, default=DEFAULT_KILL_TIMEOUT, metavar="SECONDS",
         help=f"grace between SIGTERM and SIGKILL (default {DEFAULT_KILL_TIMEOUT:g})")  # fmt: skip
     add("--coordinator-port", "--master-port", type=int, metavar="PORT",
@@ -545,6 +426,7 @@ def _parse(argv: list[str], prog: str) -> LaunchConfig:
             devices_per_proc=ns.devices_per_proc,
             gpus_per_proc=ns.gpus_per_proc,
             max_restarts=ns.max_restarts,
+            count_preemptions=ns.count_preemptions,
             kill_timeout=ns.kill_timeout,
             coordinator_port=ns.coordinator_port,
             prefix=not ns.no_prefix,
@@ -557,7 +439,7 @@ def _parse(argv: list[str], prog: str) -> LaunchConfig:
             f"the script {config.program!r} does not exist (relative to {os.getcwd()!r}); "
             "pass the path of a Python script, or -m MODULE to run a module"
         )
-    if config.coordinator_port is not None and _port_in_use(config.coordinator_port):
+    if config.coordinator_port is not None and port_in_use(config.coordinator_port):
         parser.error(
             f"argument --coordinator-port: {LOOPBACK}:{config.coordinator_port} is in use; "
             "pick another port, or leave the option out to use a free one"

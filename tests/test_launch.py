@@ -733,6 +733,75 @@ def test_restarts_exhausted(launcher: type[Launcher]) -> None:
 
 
 @pytest.mark.timeout(60)
+def test_preemptions_restart_without_counting(launcher: type[Launcher]) -> None:
+    # Process 1 exits 42 ("preempted, restart me") in starts 0, 1 and 2; --max-restarts 1 would
+    # allow one failure, but preemptions are not failures.
+    job = launcher(
+        "--nprocs", "2", "--max-restarts", "1", CHILD,
+        "--preempted-starts", "3", "--exit-after", "0", "--sleep", "0.5",
+    )  # fmt: skip
+    rc, _, err = job.finish()
+    assert rc == 0, err
+    assert (
+        err.count(
+            "jaxdist.launch: process 1 exited with code 42 (first failure: preempted); "
+            "stopped the other 1 process.\n"
+        )
+        == 3
+    )
+    for k in (1, 2, 3):
+        assert re.search(
+            rf"jaxdist.launch: restarting all 2 processes \(after preemption {k}, not counted "
+            r"against --max-restarts 1, coordinator 127\.0\.0\.1:\d+\)\.\n",
+            err,
+        ), err
+    restarts = [r["env"]["JAXDIST_RESTART_COUNT"] for r in job.reports(8)]
+    assert restarts == ["0", "0", "1", "1", "2", "2", "3", "3"]
+
+
+@pytest.mark.timeout(60)
+def test_counted_preemptions_and_no_restarts(launcher: type[Launcher]) -> None:
+    job = launcher(
+        "--nprocs", "2", "--max-restarts", "1", "--count-preemptions", CHILD,
+        "--preempted-starts", "5", "--exit-after", "0", "--sleep", "30",
+    )  # fmt: skip
+    rc, _, err = job.finish()
+    assert rc == 42
+    assert "restarting all 2 processes (restart 1 of 1, coordinator" in err
+    assert err.strip().splitlines()[-1] == (
+        "jaxdist.launch: no restart left (--max-restarts 1); exit code 42."
+    )
+    # Without --max-restarts the code goes out, for an outer scheduler, with a hint.
+    job = launcher("--nprocs", "2", CHILD, "--preempted-starts", "1", "--exit-after", "0")
+    rc, _, err = job.finish()
+    assert rc == 42 and "restarting" not in err
+    assert err.strip().splitlines()[-1] == (
+        "jaxdist.launch: exit code 42: the process saved a checkpoint and asks to be restarted; "
+        "--max-restarts K restarts such a job (without counting it)."
+    )
+
+
+@pytest.mark.timeout(60)
+def test_sigterm_to_the_launcher_of_a_preempted_job_exits_42(launcher: type[Launcher]) -> None:
+    job = launcher("--nprocs", "2", "--max-restarts", "3", CHILD, "--signals", "preempted",
+                   "--sleep", "30")  # fmt: skip
+    job.reports(2)
+    job.proc.send_signal(signal.SIGTERM)
+    rc, out, err = job.finish()
+    assert rc == 42, err
+    assert out.count("saved after SIGTERM") == 2 and "restarting" not in err
+    assert err.strip().splitlines()[-1] == (
+        "jaxdist.launch: stopped after SIGTERM; every process exited with code 42 (preempted)."
+    )
+
+
+def test_preempted_exit_code_matches_the_handler() -> None:
+    from jaxdist.experimental import _preemption
+
+    assert launch_module.PREEMPTED_EXIT_CODE == _preemption.RESTART_EXIT_CODE == 42
+
+
+@pytest.mark.timeout(60)
 def test_helpers_left_after_success_are_stopped(launcher: type[Launcher]) -> None:
     job = launcher("--nprocs", "2", CHILD, "--spawn")
     rc, _, err = job.finish()

@@ -13,12 +13,15 @@ it names are real, and what it says about corrupted checkpoints is what happens.
 from __future__ import annotations
 
 import glob
+import json
 import os
 import pathlib
 import re
+import signal
 import subprocess
 import sys
 import tempfile
+import time
 from typing import Any
 
 import jax
@@ -40,10 +43,11 @@ MARKERS = {
     "quickstart": "def replica_fn(ctx, x)",
     "training": "nnx.Optimizer(model",
     "fit": "jd.accumulate_gradients(loss_fn",
-    "multi_worker": "jd.MultiWorkerMirroredStrategy()",
+    "multi_worker": "jd.MultiWorkerMirroredStrategy()   # first thing",
     "variables": 'synchronization="on_read"',
     "input": "def dataset_fn(input_context)",
     "model_parallel": "jd.TPUStrategy(device_assignment=assignment)",
+    "preemption": "jd.experimental.PreemptionCheckpointHandler(",
 }
 
 
@@ -190,6 +194,57 @@ def test_model_parallel_snippet_trains_like_one_device() -> None:
         np.testing.assert_allclose(np.asarray(params[name]), ref[name], rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_preemption_snippet_resumes_through_the_launcher(tmp_path: pathlib.Path) -> None:
+    """The script, SIGTERMed mid-training under the launcher, saves, is restarted, resumes at
+    the saved step and ends with the weights of an uninterrupted run, bit for bit."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_", "XLA_"))}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    launch = [sys.executable, "-m", "jaxdist.launch", "--max-restarts", "1"]
+    snippet = _block("preemption")
+    assert "time.sleep(0.05)" in snippet
+    fast = tmp_path / "fast.py"  # the same script without the pause, never stopped
+    fast.write_text(snippet.replace("time.sleep(0.05)", "time.sleep(0)"))
+    ref = subprocess.run(
+        [*launch, str(fast), str(tmp_path / "ref")],
+        env=env, cwd=ROOT, capture_output=True, text=True, timeout=200,
+    )  # fmt: skip
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    done = re.findall(r"^\[0\] done: w = (\[.*\])$", ref.stdout, re.M)
+    assert len(done) == 1, ref.stdout[-2000:]
+    # y = x @ [1, -2, 0.5, 3] exactly: 100 SGD steps get close (atol 1e-3).
+    np.testing.assert_allclose(json.loads(done[0]), [1.0, -2.0, 0.5, 3.0], atol=1e-3)
+
+    script = tmp_path / "preempt_demo.py"
+    script.write_text(snippet)
+    job = subprocess.Popen(
+        [*launch, str(script), str(tmp_path / "ckpt")],
+        env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    try:
+        assert job.stdout is not None
+        lines = []
+        for line in job.stdout:
+            lines.append(line)
+            if m := re.match(r"\[0\] pid (\d+): starting at step 0$", line):
+                time.sleep(1.5)  # some steps in, far from the end (100 steps of 50 ms or more)
+                os.kill(int(m[1]), signal.SIGTERM)
+        out = "".join(lines)
+        assert job.wait(timeout=60) == 0, out[-3000:]
+    finally:
+        if job.poll() is None:
+            job.kill()
+            job.wait()
+        if job.stdout is not None:
+            job.stdout.close()
+    saved = re.findall(r"saved .*ckpt-1 after run\(\) call (\d+); calling exit_fn", out)
+    assert len(saved) == 1 and 0 < int(saved[0]) < 100, out[-3000:]
+    assert "process 0 exited with code 42 (first failure: preempted)" in out
+    assert re.search(rf"^\[0\] pid \d+: starting at step {saved[0]}$", out, re.M), out[-3000:]
+    assert re.findall(r"^\[0\] done: w = (\[.*\])$", out, re.M) == done  # bit for bit
+
+
 def test_demo_loss_falls() -> None:
     from jaxdist.examples import train_mlp
 
@@ -227,8 +282,6 @@ NOT_YET = [
     (jd, "coordinator"),
     (jd, "get_loss_reduction"),
     (jd.experimental, "ParameterServerStrategy"),
-    (jd.experimental, "PreemptionCheckpointHandler"),
-    (jd.experimental, "TerminationConfig"),
     (jd.experimental, "CollectiveCommunication"),
     (jd.experimental, "rpc"),
     (jd.cluster_resolver, "GCEClusterResolver"),
@@ -280,7 +333,7 @@ def test_launch_commands_and_options_are_real() -> None:
 
     options = set(re.findall(r"(--[a-z][a-z-]+)", _parser("jaxdist-launch").format_help()))
     commands = re.findall(r"^(?:python -m jaxdist\.launch|jaxdist-launch) (.*)$", README, re.M)
-    assert len(commands) == 2
+    assert len(commands) == 3
     for command in commands:
         for flag in re.findall(r"(--[a-z][a-z-]+)", command.split(" train.py")[0]):
             assert flag in options, flag

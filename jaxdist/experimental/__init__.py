@@ -7,6 +7,7 @@ from jaxdist.communication import (
     CommunicationOptions,
 )
 from jaxdist.experimental import partitioners
+from jaxdist.experimental._preemption import PreemptionCheckpointHandler, TerminationConfig
 from jaxdist.input.options import AutoShardPolicy
 from jaxdist.strategies.central_storage import CentralStorageStrategy
 from jaxdist.strategies.multi_worker import MultiWorkerMirroredStrategy
@@ -21,8 +22,10 @@ __all__ = [
     "CommunicationImplementation",
     "CommunicationOptions",
     "MultiWorkerMirroredStrategy",
+    "PreemptionCheckpointHandler",
     "ShardedVariable",
     "TPUStrategy",
+    "TerminationConfig",
     "ValueContext",
     "partitioners",
     "set_program_cache_size",

@@ -38,6 +38,11 @@ def _report_signal(signum: int, frame: FrameType | None) -> None:
     sys.exit(0)
 
 
+def _preempted(signum: int, frame: FrameType | None) -> None:
+    print(f"saved after {signal.Signals(signum).name}", flush=True)
+    sys.exit(42)
+
+
 def _barrier(rank: int, processes: int) -> None:
     """Returns once every process called it (process 0 serves on the coordinator's port)."""
     host, port = os.environ["JAXDIST_COORDINATOR_ADDRESS"].rsplit(":", 1)
@@ -68,14 +73,23 @@ def main() -> None:
     parser.add_argument("--exit-rank", type=int, default=1)
     parser.add_argument("--exit-after", type=float, default=0.3)
     parser.add_argument("--fail-first-start", action="store_true", help="rank 1 exits 3 at start 0")
+    parser.add_argument(
+        "--preempted-starts", type=int, default=0, help="--exit-rank exits 42 in starts 0..N-1"
+    )
     parser.add_argument("--spawn", action="store_true", help="start a helper that sleeps")
-    parser.add_argument("--signals", choices=["default", "ignore", "report"], default="default")
+    signals = ["default", "ignore", "report", "preempted"]
+    parser.add_argument("--signals", choices=signals, default="default")
     parser.add_argument("--lines", type=int, default=0)
     parser.add_argument("--width", type=int, default=100)
     args, _ = parser.parse_known_args()
     rank = int(os.environ["JAXDIST_PROCESS_ID"])
 
-    handler = {"default": signal.SIG_DFL, "ignore": signal.SIG_IGN, "report": _report_signal}
+    handler = {
+        "default": signal.SIG_DFL,
+        "ignore": signal.SIG_IGN,
+        "report": _report_signal,
+        "preempted": _preempted,  # as a PreemptionCheckpointHandler: save, exit 42
+    }
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, handler[args.signals])
     helper = None
@@ -100,6 +114,9 @@ def main() -> None:
         sys.stdout.flush()
     if args.fail_first_start and rank == 1 and os.environ["JAXDIST_RESTART_COUNT"] == "0":
         sys.exit(3)
+    if rank == args.exit_rank and int(os.environ["JAXDIST_RESTART_COUNT"]) < args.preempted_starts:
+        time.sleep(args.exit_after)
+        sys.exit(42)
     if args.exit is not None and rank == args.exit_rank:
         time.sleep(args.exit_after)
         sys.exit(args.exit)

@@ -74,14 +74,21 @@ class Resumed:
     data: Any  # the iterator's state, or None when it was not recorded
 
 
-def _items(ckpt: _ItemCheckpoint, state: tuple[Any, ...]) -> tuple[Sink, Sink]:
-    """Binds the state arguments and two sinks (data position, loop record) as the items."""
-    for i, s in enumerate(state):
-        setattr(ckpt, item_name(i), s)
+def _bind(ckpt: _ItemCheckpoint, items: dict[str, Any], bound: set[str]) -> set[str]:
+    """Makes ``items`` the checkpoint's items, dropping those of ``bound`` (the names bound
+    before) that it lacks; returns the names now bound."""
+    for name in bound - set(items):
+        delattr(ckpt, name)
+    for name, item in items.items():
+        setattr(ckpt, name, item)
+    return set(items)
+
+
+def _restore_items(state: tuple[Any, ...]) -> tuple[dict[str, Any], Sink, Sink]:
+    """The items to restore into: the state arguments and two sinks (data position, loop
+    record)."""
     data, loop = Sink(), Sink()
-    setattr(ckpt, DATA, data)
-    setattr(ckpt, LOOP, loop)
-    return data, loop
+    return {**{item_name(i): s for i, s in enumerate(state)}, DATA: data, LOOP: loop}, data, loop
 
 
 def _restored_state(ckpt: _ItemCheckpoint, state: tuple[Any, ...]) -> tuple[Any, ...]:
@@ -153,6 +160,7 @@ class Checkpoint(Callback):
         self.async_write = async_write
         self.last_checkpoint: str | None = None
         self._items = _ItemCheckpoint()
+        self._bound: set[str] = set()  # the names of the items bound to it
         self._manager: CheckpointManager | None = None
         self._last_saved: tuple[int, bool] | None = None
         self._writer: threading.Thread | None = None
@@ -194,7 +202,8 @@ class Checkpoint(Callback):
             self.save()
 
     def on_train_end(self, logs: dict[str, float]) -> None:
-        if self.loop.interrupted:  # Ctrl-C or SIGTERM: save at this step boundary
+        # Ctrl-C or SIGTERM: save at this step boundary, unless this step's checkpoint exists.
+        if self.loop.interrupted and (self._last_saved or (None,))[0] != self.loop.step:
             self.save()
         self._wait()
 
@@ -213,11 +222,10 @@ class Checkpoint(Callback):
         if self._last_saved == key:
             return
         self._wait()
-        items = self._items
-        for i, s in enumerate(loop.state):
-            setattr(items, item_name(i), snapshot(s))
-        setattr(items, DATA, Frozen(record.data))
-        setattr(items, LOOP, Frozen(record.state(loop.step, loop.epoch, loop.at_epoch_end)))
+        items = {item_name(i): snapshot(s) for i, s in enumerate(loop.state)}
+        items[DATA] = Frozen(record.data)
+        items[LOOP] = Frozen(record.state(loop.step, loop.epoch, loop.at_epoch_end))
+        self._bound = _bind(self._items, items, self._bound)
         self._last_saved = key
         step = loop.step
         if self.async_write:
@@ -249,8 +257,12 @@ class Checkpoint(Callback):
             ) from error
 
     def close(self) -> None:
-        """Waits for the write in progress (raising its error, if it failed)."""
-        self._wait()
+        """Waits for the write in progress (raising its error, if it failed); the next `fit`
+        call reads the directory afresh."""
+        try:
+            self._wait()
+        finally:
+            self._manager = None
 
     # Restoring ------------------------------------------------------------------------
 
@@ -263,7 +275,8 @@ class Checkpoint(Callback):
         path = manager.latest_checkpoint
         if path is None:
             return None
-        data, record = _items(self._items, loop.state)
+        items, data, record = _restore_items(loop.state)
+        self._bound = _bind(self._items, items, self._bound)
         try:
             self._items.restore(path)
         except (ValueError, FileNotFoundError) as e:
@@ -278,8 +291,9 @@ class Checkpoint(Callback):
                 f"changed. To go on, {fallback}, or pass resume=False with a new directory."
             ) from e
         loop.state = _restored_state(self._items, loop.state)
-        self._last_saved = None
-        return Resumed(path, parse_loop_state(where, path, record.state), data.state)
+        saved = parse_loop_state(where, path, record.state)
+        self._last_saved = (saved["step"], saved["epoch_ended"])
+        return Resumed(path, saved, data.state)
 
 
 def restore_checkpoint(
@@ -354,7 +368,8 @@ def restore_checkpoint(
             raise FileNotFoundError(
                 f"{where}: {path} has no checkpoint at step {step}; it has steps {steps}."
             )
-    _, record = _items(items, tuple(state))
+    bound, _, record = _restore_items(tuple(state))
+    _bind(items, bound, set())
     try:
         items.restore(chosen)
     except (ValueError, FileNotFoundError) as e:

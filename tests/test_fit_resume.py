@@ -607,3 +607,120 @@ def test_resume_argument_errors(tmp_path: Path) -> None:
         r"\['data', 'loop', 'state_0'\]",
     ):
         other.fit(other.state(), [jd.training.Checkpoint(tmp_path / "nnx")], resume=True)
+
+
+# Two processes ------------------------------------------------------------------------------
+
+_TWO_PROCESSES = textwrap.dedent(
+    """
+    import json, sys
+    import jax
+
+    jax.config.update("jax_num_cpu_devices", 4)
+    jax.distributed.initialize(
+        coordinator_address=f"127.0.0.1:{sys.argv[2]}", num_processes=2,
+        process_id=int(sys.argv[1]), initialization_timeout=60,
+    )
+    import jax.numpy as jnp, numpy as np, optax
+    import jaxdist as jd
+
+    directory = sys.argv[3]
+    strategy = jd.MultiWorkerMirroredStrategy()
+    me = jax.process_index()
+
+    def dataset_fn(ctx):  # each process its own rows, shuffled each epoch
+        rng = np.random.default_rng(10 + ctx.input_pipeline_id)
+        x = rng.normal(size=(40, 4)).astype(np.float32)
+        y = (x[:, 0] > 0).astype(np.int32)
+        return jd.data.from_arrays(x, y, batch_size=2, shuffle=True, seed=ctx.input_pipeline_id)
+
+    def fresh():
+        with strategy.scope():
+            params = {"w": jnp.full((4, 2), 0.1), "b": jnp.zeros(2)}
+            return jd.TrainState.create(
+                apply_fn=lambda p, x: x @ p["w"] + p["b"], params=params, tx=optax.adam(0.05)
+            )
+
+    @jd.train_step(strategy)
+    def step(ctx, state, batch):
+        x, y = batch
+        def loss_fn(p):
+            ce = optax.softmax_cross_entropy_with_integer_labels(state.apply_fn(p, x), y)
+            return jd.compute_average_loss(ce)
+        loss, grads = jax.value_and_grad(loss_fn)(state.params)
+        new = state.apply_gradients(grads=ctx.all_reduce("sum", grads))
+        return new, ctx.all_reduce("sum", loss)
+
+    class CrashAt(jd.training.Callback):
+        def on_step_end(self, step, logs):
+            if step == 11:
+                raise RuntimeError("crash")
+
+    def run(callbacks, resume=False):
+        data = strategy.distribute_datasets_from_function(dataset_fn)
+        return jd.fit(step, fresh(), data=data, epochs=4, callbacks=callbacks, verbose=False,
+                      resume=resume)
+
+    def checkpoint():
+        return jd.training.Checkpoint(directory, every_n_steps=3, every_epoch=False)
+
+    reference, ref_history = run([])
+    try:
+        run([checkpoint(), CrashAt()])
+    except RuntimeError:
+        pass
+    state, history = run([checkpoint()], resume=True)
+    host = lambda s: [np.asarray(v).tolist() for v in jax.tree.leaves(s)]
+    import os
+    names = [d for d in os.listdir(directory) if d.startswith("ckpt-")]
+    latest = max(names, key=lambda d: int(d[5:]))
+    print(json.dumps({
+        "same": host(state) == host(reference),
+        "history": history.history == ref_history.history,
+        "step": history.step,
+        "latest": latest,
+        "files": sorted(os.listdir(os.path.join(directory, latest))),
+    }), flush=True)
+    jax.distributed.shutdown()
+    """
+)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(420)
+def test_two_processes_resume_their_own_data_positions(tmp_path: Path) -> None:
+    """2 processes x 4 devices, each reading its own pipeline (40 rows in batches of 2 per
+    replica: 5 steps an epoch): a crash at step 11 resumes from step 9 (each process from
+    its own position) and ends bitwise equal to the uninterrupted run of the same job."""
+    from _helpers import free_port
+
+    port = str(free_port())
+    env = {
+        "JAX_PLATFORMS": "cpu",
+        "PATH": "/usr/bin:/bin",
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+    }
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", _TWO_PROCESSES, str(i), port, str(tmp_path / "run")],
+            cwd=REPO,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for i in range(2)
+    ]
+    results = []
+    try:
+        for p in procs:
+            out, err = _finish(p, timeout=360)
+            assert p.returncode == 0, err[-3000:]
+            results.append(json.loads(out.strip().splitlines()[-1]))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    for r in results:
+        assert r["same"] and r["history"] and r["step"] == 20 and r["latest"] == "ckpt-18", r
+        assert {"jaxdist_iterators.0.json", "jaxdist_iterators.1.json"} <= set(r["files"])

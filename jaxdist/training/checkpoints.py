@@ -27,6 +27,8 @@ import warnings
 from collections.abc import Mapping
 from typing import Any
 
+import jax
+
 from jaxdist.checkpoint import Checkpoint as _ItemCheckpoint
 from jaxdist.checkpoint import CheckpointManager
 from jaxdist.training._nnx import is_nnx_node
@@ -127,7 +129,10 @@ class Checkpoint(Callback):
         every_n_steps: also save after every ``every_n_steps``-th global step.
         every_epoch: save at the end of every epoch.
         keep: how many checkpoints to keep (the newest); None keeps all.
-        async_write: write the files in a background thread.
+        async_write: write the files in a background thread (in a job of one
+            process; with several, orbax-checkpoint synchronizes the processes
+            with an XLA collective that must not run beside training steps, so
+            they write in the training thread).
 
     Example:
         >>> import jaxdist as jd
@@ -228,7 +233,10 @@ class Checkpoint(Callback):
         self._bound = _bind(self._items, items, self._bound)
         self._last_saved = key
         step = loop.step
-        if self.async_write:
+        # orbax-checkpoint synchronizes the processes of a job with an XLA collective, which
+        # must not run beside the training steps' collectives: several processes write in
+        # the training thread.
+        if self.async_write and jax.process_count() == 1:
             self._writer = threading.Thread(
                 target=self._write, args=(step,), name="jaxdist-fit-checkpoint"
             )

@@ -32,10 +32,13 @@ resume=True)`` restores the callback's latest checkpoint (verified against its
 SHA-256 manifest) into the state arguments, with the global step, the epoch,
 the training data's position, the epoch's running metrics and the `History`
 so far, and continues from there: a run stopped at any step boundary and
-resumed ends bitwise equal to one that never stopped (for data that can
-resume its position exactly: `jaxdist.data.from_arrays`, lists of batches,
-sources that repeat their batches). Without a checkpoint it starts afresh.
-Callbacks' own state (`EarlyStopping`'s best value) is not saved.
+resumed ends bitwise equal to one that never stopped. The data must be built
+as in the stopped run: `jaxdist.data.from_arrays` datasets and lists of
+batches start at the saved batch; other sources are read from the start of
+the epoch up to it (with a warning), exact when they yield the same batches
+again. Without a checkpoint it starts afresh. Callbacks' own state
+(`EarlyStopping`'s best value) is not saved, and each process restores its
+own data position (the same number of processes).
 
 Ctrl-C and SIGTERM during `fit` do not break a step: the step in progress
 completes and writes its state back (a step donates its input buffers, so

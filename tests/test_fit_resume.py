@@ -334,6 +334,32 @@ def test_a_source_that_cannot_seek_is_replayed_to_its_position(
     assert history.history == ref_history.history and history.epochs == [0, 1, 2, 3]
 
 
+@pytest.mark.timeout(300)
+def test_a_run_bounded_by_steps_extends_as_if_never_stopped(
+    tmp_path: Path, mirrored8: jd.MirroredStrategy
+) -> None:
+    """``steps=10`` ends in the middle of epoch 2 (logged then, cut short); running again
+    with ``steps=18`` and resume=True goes on from that epoch's data position and logs the
+    epoch once, whole: the same as one run with ``steps=18``."""
+    setup = _Setup(mirrored8, "functional")
+
+    def run(steps: int, callbacks: list, **kwargs: Any) -> tuple[Any, jd.training.History]:
+        state, history = jd.fit(
+            setup.step, *setup.state(), data=_train_data(), steps=steps, verbose=False,
+            eval_step=setup.evaluate, eval_data=_eval_data(), callbacks=callbacks, **kwargs,
+        )  # fmt: skip
+        return _arrays(state), history
+
+    ref_arrays, ref_history = run(18, [])
+    _, history = run(10, [jd.training.Checkpoint(tmp_path)])
+    assert history.epochs == [0, 1, 2] and history.step == 10
+    assert jd.training.Checkpoint(tmp_path).all_steps() == [4, 8, 10]  # every epoch's end
+    arrays, history = run(18, [jd.training.Checkpoint(tmp_path)], resume=True)
+    _same_arrays(arrays, ref_arrays)
+    assert history.history == ref_history.history
+    assert history.epochs == ref_history.epochs == [0, 1, 2, 3, 4] and history.step == 18
+
+
 # SIGTERM --------------------------------------------------------------------------------
 
 

@@ -197,14 +197,22 @@ class Runner:
         history.examples_per_second = saved["examples_per_second"]
         history.step = loop.step
         record.data = resumed.data
-        if saved["epoch_ended"]:  # the epoch's end ran: the next one starts afresh
+        if saved["epoch_ended"] and saved["data_done"]:  # the next epoch starts afresh
             self.set_epoch(loop.epoch)
             it = iter(self.train)
             _at_position(it, resumed.data, next_epoch=True)
             _close(it)
             loop.epoch += 1
-        else:
-            self.resumed = resumed
+            return
+        if saved["epoch_ended"] and resumed.data is not None:
+            # The epoch was cut short (steps=, stop_training) and logged; it goes on from
+            # its data position and is logged again, whole, when it ends.
+            count = len(history.epochs)
+            for values in (history.epochs, history.examples_per_second, *history.history.values()):
+                if count and len(values) == count:
+                    values.pop()
+            history.history = {k: v for k, v in history.history.items() if v}
+        self.resumed = resumed
 
     def set_epoch(self, epoch: int) -> None:
         set_epoch = getattr(self.source, "set_epoch", None)
@@ -238,7 +246,7 @@ class Runner:
                     # epoch's end (evaluation, history, on_epoch_end) is left.
                     loop.at_epoch_end = saved["data_done"] or not limit
                     return mean.result(), done, 0, 0.0
-            else:  # a checkpoint without a data position starts its epoch afresh
+            else:  # a new epoch (or a checkpoint without a data position: its epoch afresh)
                 batch = next(it, _END)
             rows_before = mean.rows
             if batch is _END:
@@ -369,7 +377,11 @@ class Runner:
         resumed, self.resumed = self.resumed, None
         while not (
             (loop.epochs is not None and loop.epoch >= loop.epochs)
-            or (loop.steps is not None and loop.step >= loop.steps and resumed is None)
+            or (
+                loop.steps is not None
+                and loop.step >= loop.steps
+                and (resumed is None or resumed.data is None)  # else its epoch's end is left
+            )
         ):
             self.set_epoch(loop.epoch)
             loop._record.epoch_ended = False

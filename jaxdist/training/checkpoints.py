@@ -134,6 +134,10 @@ class Checkpoint(Callback):
             with an XLA collective that must not run beside training steps, so
             they write in the training thread).
 
+    Attributes:
+        last_checkpoint: the path of the last checkpoint this callback wrote
+            (None before the first).
+
     Example:
         >>> import jaxdist as jd
         >>> jd.training.Checkpoint("/tmp/run1", every_n_steps=100, keep=2).keep

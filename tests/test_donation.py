@@ -269,6 +269,7 @@ def test_run_options_donated_argument_passed_again_raises() -> None:
     assert out["deleted"] is True
     assert out["error"] is not None and re.search(
         r"MirroredStrategy\.run\(<lambda>\): args\[0\] was donated to an earlier call "
-        r"\(RunOptions\(donate_args=True\)", out["error"]
+        r"\(RunOptions\(donate_args=True\)",
+        out["error"],
     ), out["error"]
     assert out["ok"] is True

@@ -395,7 +395,12 @@ def test_checkpoint_every_n_steps_restore_and_resume(tmp_path) -> None:
     ckpt = jd.training.Checkpoint(tmp_path / "run", every_n_steps=2, every_epoch=False, keep=3)
     jd.fit(step, model, opt, data=_EpochShuffled(x, y), epochs=3, callbacks=[ckpt, losses])
     assert ckpt.all_steps() == [8, 10, 12]  # every 2 steps of 12; the newest 3 kept
-    assert sorted(os.listdir(tmp_path / "run")) == ["10", "12", "8"]
+    assert sorted(os.listdir(tmp_path / "run")) == [
+        "ckpt-10",
+        "ckpt-12",
+        "ckpt-8",
+        "jaxdist_checkpoints.json",  # the CheckpointManager's record
+    ]
     ckpt.close()
     # The latest checkpoint restores bit for bit, in place.
     fresh, fresh_opt = _make(strategy, lr=0.1)
@@ -451,7 +456,11 @@ def test_checkpoint_of_functional_state_and_random_streams(tmp_path) -> None:
         jax.random.key_data(other_rngs.dropout.key.get_value()),
         jax.random.key_data(rngs.dropout.key.get_value()),
     )
-    with pytest.raises(ValueError, match=r"saved array 0.params.w has shape \(2, 3\).*\(3,\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"\['state_0'\]\['params'\]\['w'\] has shape \(2, 3\) in the checkpoint, but "
+        r"the template's array has shape \(3,\)",
+    ):
         jd.training.restore_checkpoint(
             tmp_path / "c", state.replace(params={"w": jnp.ones(3)}), other_rngs
         )
@@ -460,8 +469,8 @@ def test_checkpoint_of_functional_state_and_random_streams(tmp_path) -> None:
 
 
 def test_checkpoint_checksums_are_verified(tmp_path) -> None:
-    """Each fit checkpoint records every array's SHA-256; a changed value or missing
-    checksums refuse to restore unless verify=False."""
+    """Each fit checkpoint is a CheckpointManager entry: a SHA-256 manifest of every array and
+    checksummed JSON records; a changed byte refuses to restore, naming what differs."""
     import json
 
     state = {"w": jnp.arange(6.0).reshape(2, 3), "n": jnp.int32(5), "h": jnp.ones(2, jnp.bfloat16)}
@@ -474,30 +483,36 @@ def test_checkpoint_checksums_are_verified(tmp_path) -> None:
     r = jd.training.restore_checkpoint(tmp_path / "c", template)
     jax.tree.map(np.testing.assert_array_equal, r.state, state)
 
-    meta_file = tmp_path / "c" / "3" / "meta" / "metadata"
-    meta = json.loads(meta_file.read_text())
-    assert {e["sha256"] for e in meta["leaves"]} and len(meta["leaves"]) == 3
+    path = tmp_path / "c" / "ckpt-3"
+    manifest_file = path / jd.checkpoint.MANIFEST
+    intact = manifest_file.read_text()
+    manifest = json.loads(intact)
+    leaves = {tuple(e["path"]): e for e in manifest["leaves"]}
+    assert {("items", "state_0", k) for k in state} <= set(leaves)
     # The record and the data disagree (as after a damaged write): refused, naming the array.
-    for e in meta["leaves"]:
-        if e["path"] == ["0", "w"]:
-            e["sha256"] = "0" * 64
-    meta_file.write_text(json.dumps(meta))
+    leaves["items", "state_0", "w"]["sha256"] = "0" * 64
+    manifest_file.write_text(json.dumps(manifest))
     with pytest.raises(
-        ValueError, match=r"leaf \[0\]\['w'\] of the checkpoint in .*c.3 does not match"
+        ValueError,
+        match=r"restore_checkpoint: the checkpoint .*ckpt-3 cannot be restored: .*leaf "
+        r"\['items'\]\['state_0'\]\['w'\] of the checkpoint in .*ckpt-3 does not match its "
+        r"manifest: sha256 is",
     ):
         jd.training.restore_checkpoint(tmp_path / "c", template)
-    meta["leaves"] = [{"path": ["0", "w"]}]
-    meta_file.write_text(json.dumps(meta))
-    with pytest.raises(ValueError, match=r"checksum record in its metadata is damaged \(KeyError"):
+    manifest_file.write_text(intact)
+    # The loop's record (step, epoch, data position) is checksummed too.
+    record_file = path / "jaxdist_iterators.0.json"
+    record = json.loads(record_file.read_text())
+    record["body"]["iterators"]["loop"]["step"] = 4
+    record_file.write_text(json.dumps(record))
+    with pytest.raises(ValueError, match=r"does not match its SHA-256 checksum"):
         jd.training.restore_checkpoint(tmp_path / "c", template)
-    # No checksums at all (an earlier jaxdist's checkpoint): refused with the way out.
-    del meta["leaves"]
-    meta_file.write_text(json.dumps(meta))
-    with pytest.raises(ValueError, match=r"carries no checksums .* Pass verify=False"):
-        jd.training.restore_checkpoint(tmp_path / "c", template)
-    r = jd.training.restore_checkpoint(tmp_path / "c", template, verify=False)
-    assert r.step == 3
-    jax.tree.map(np.testing.assert_array_equal, r.state, state)
+    # verify=False no longer skips the check.
+    with (
+        pytest.warns(DeprecationWarning, match=r"verify=False is deprecated and ignored"),
+        pytest.raises(ValueError, match=r"does not match its SHA-256 checksum"),
+    ):
+        jd.training.restore_checkpoint(tmp_path / "c", template, verify=False)
 
 
 def test_unfinished_writes_are_ignored_and_old_runs_refused(tmp_path) -> None:
@@ -506,17 +521,24 @@ def test_unfinished_writes_are_ignored_and_old_runs_refused(tmp_path) -> None:
     step = _nnx_step(strategy)
     data = jd.data.from_arrays(*_data(), batch_size=BATCH)
     jd.fit(step, model, opt, data=data, callbacks=[jd.training.Checkpoint(tmp_path)])
-    assert sorted(os.listdir(tmp_path)) == ["4"]
-    assert "commit_success.txt" in os.listdir(tmp_path / "4")  # written, then renamed
-    # A write cut short leaves orbax's temporary directory: never taken for a checkpoint.
-    (tmp_path / "9.orbax-checkpoint-tmp-1").mkdir()
-    (tmp_path / "9.orbax-checkpoint-tmp-1" / "state").write_text("half")
+    assert sorted(os.listdir(tmp_path)) == ["ckpt-4", "jaxdist_checkpoints.json"]
+    # A write cut short leaves a temporary directory: never taken for a checkpoint.
+    (tmp_path / "ckpt-9.tmp").mkdir()
+    (tmp_path / "ckpt-9.tmp" / "state").write_text("half")
     fresh, fresh_opt = _make(strategy)
     restored = jd.training.restore_checkpoint(tmp_path, fresh, fresh_opt)
     assert (restored.step, restored.epoch) == (4, 1)  # after epoch 0: one epoch complete
     _assert_same_params(fresh, model)
-    with pytest.raises(ValueError, match=r"already holds checkpoints at steps \[4\], past step 0"):
+    with pytest.raises(
+        ValueError, match=r"already holds checkpoints at steps \[4\], past step 0.*resume=True"
+    ):
         jd.fit(step, model, opt, data=data, callbacks=[jd.training.Checkpoint(tmp_path)])
+    # An earlier jaxdist's fit checkpoints (orbax steps named by number) are named as such.
+    (tmp_path / "old" / "4").mkdir(parents=True)
+    with pytest.raises(
+        FileNotFoundError, match=r"holds no complete checkpoint .*named by step number"
+    ):
+        jd.training.restore_checkpoint(tmp_path / "old", fresh, fresh_opt)
 
 
 # Early stopping -----------------------------------------------------------------------
@@ -655,10 +677,10 @@ def test_ctrl_c_finishes_the_step_and_keeps_state_and_checkpoint(tmp_path) -> No
     ref, ref_opt = _make(strategy)
     jd.fit(step, ref, ref_opt, data=jd.data.from_arrays(x, y, batch_size=BATCH), steps=done)
     _assert_same_params(model, ref)
-    # The last checkpoint is complete and restores the state of its step.
+    # Ctrl-C saved the interrupted step itself; that checkpoint is complete and restores it.
     last = max(ckpt.all_steps())
     ckpt.close()
-    assert last == done // 3 * 3 and not [p for p in os.listdir(tmp_path) if "tmp" in p]
+    assert last == done and not [p for p in os.listdir(tmp_path) if "tmp" in p]
     back, back_opt = _make(strategy)
     assert jd.training.restore_checkpoint(tmp_path, back, back_opt).step == last
     ref, ref_opt = _make(strategy)
@@ -734,14 +756,15 @@ def test_sigint_from_a_callback_mid_epoch_stops_after_that_step(tmp_path, signal
     ref, ref_opt = _make(strategy)
     jd.fit(step, ref, ref_opt, data=jd.data.from_arrays(x, y, batch_size=BATCH), steps=6)
     _assert_same_params(model, ref)
-    assert ckpt.all_steps() == [4]
+    assert ckpt.all_steps() == [4, 6]  # every 4 steps, and step 6 where Ctrl-C stopped
     ckpt.close()
-    back, back_opt = _make(strategy)
-    restored = jd.training.restore_checkpoint(tmp_path, back, back_opt)
-    assert (restored.step, restored.epoch) == (4, 1)
-    ref, ref_opt = _make(strategy)
-    jd.fit(step, ref, ref_opt, data=jd.data.from_arrays(x, y, batch_size=BATCH), steps=4)
-    _assert_same_params(back, ref)
+    for at in (4, 6):
+        back, back_opt = _make(strategy)
+        restored = jd.training.restore_checkpoint(tmp_path, back, back_opt, step=at)
+        assert (restored.step, restored.epoch) == (at, 1)
+        ref, ref_opt = _make(strategy)
+        jd.fit(step, ref, ref_opt, data=jd.data.from_arrays(x, y, batch_size=BATCH), steps=at)
+        _assert_same_params(back, ref)
 
 
 @pytest.mark.timeout(120)
@@ -769,14 +792,16 @@ def test_keyboard_interrupt_from_a_callback_hands_back_the_functional_state(tmp_
     assert not any(v.is_deleted() for v in jax.tree.leaves(state))
     ref, _ = jd.fit(step, _linen_like_state(strategy), data=data, steps=6, verbose=False)
     jax.tree.map(np.testing.assert_array_equal, state.params, ref.params)
-    # The last checkpoint (step 5) is whole and restores that step's state.
-    assert ckpt.all_steps() == [5]
+    # Step 5 (every 5 steps) and step 6 (where the interrupt stopped) are whole and restore
+    # their steps' state.
+    assert ckpt.all_steps() == [5, 6]
     ckpt.close()
-    restored = jd.training.restore_checkpoint(tmp_path, _linen_like_state(strategy))
-    assert (restored.step, restored.epoch) == (5, 1)
-    ref, _ = jd.fit(step, _linen_like_state(strategy), data=data, steps=5, verbose=False)
-    jax.tree.map(np.testing.assert_array_equal, restored.state.params, ref.params)
-    assert int(restored.state.step) == 5
+    for at in (5, 6):
+        restored = jd.training.restore_checkpoint(tmp_path, _linen_like_state(strategy), step=at)
+        assert (restored.step, restored.epoch) == (at, 1)
+        ref, _ = jd.fit(step, _linen_like_state(strategy), data=data, steps=at, verbose=False)
+        jax.tree.map(np.testing.assert_array_equal, restored.state.params, ref.params)
+        assert int(restored.state.step) == at
 
 
 def test_keyboard_interrupt_inside_a_step_is_not_taken_for_a_clean_stop() -> None:

@@ -166,10 +166,7 @@ CASES: list[tuple[str, Callable[..., Any], type, np.ndarray]] = [
 @pytest.mark.parametrize("make", _strategies())
 @pytest.mark.parametrize(
     ("fn", "kind", "expected"),
-    [
-        pytest.param(fn, kind, exp, id=name)
-        for name, fn, kind, exp in CASES
-    ],
+    [pytest.param(fn, kind, exp, id=name) for name, fn, kind, exp in CASES],
 )
 def test_partial_axis_reduction_type_and_values(make, fn, kind: type, expected) -> None:
     s = make()

@@ -1,15 +1,9 @@
 """Training on top of strategies: train steps, functional state, losses, the fit loop."""
 
 from jaxdist.training.accumulate import accumulate_gradients
-from jaxdist.training.callbacks import (
-    Callback,
-    Checkpoint,
-    EarlyStopping,
-    FitLoop,
-    Restored,
-    restore_checkpoint,
-)
-from jaxdist.training.fit import FitInterrupted, History, fit
+from jaxdist.training.callbacks import Callback, EarlyStopping, FitLoop
+from jaxdist.training.checkpoints import Checkpoint, Restored, restore_checkpoint
+from jaxdist.training.fit import FitInterrupted, FitPreempted, History, fit
 from jaxdist.training.losses import compute_average_loss, scale_regularization_loss
 from jaxdist.training.mixed_precision import DynamicLossScale, all_finite, select_tree
 from jaxdist.training.state import TrainState
@@ -21,6 +15,7 @@ __all__ = [
     "DynamicLossScale",
     "EarlyStopping",
     "FitInterrupted",
+    "FitPreempted",
     "FitLoop",
     "History",
     "Restored",

@@ -25,7 +25,7 @@ def host_array(x: Any) -> np.ndarray:
     if isinstance(x, jax.Array) and not x.is_fully_addressable and not x.is_fully_replicated:
         from jax.experimental import multihost_utils
 
-        return np.asarray(_dispatch.gated(lambda: multihost_utils.process_allgather(x)))
+        return np.asarray(_dispatch.gated(lambda: multihost_utils.process_allgather(x, tiled=True)))
     return np.asarray(x)
 
 

@@ -27,29 +27,43 @@ Epoch metrics average the batches' values weighted by each batch's number of
 real rows (a padded last batch counts its real rows only), so a per-batch mean
 loss gives the mean over the dataset.
 
-Ctrl-C during `fit` does not break a step: the step in progress completes and
-writes its state back (a step donates its input buffers, so stopping between
-its dispatch and its write-back would lose the state), then `fit` stops,
-waits for checkpoint writes in progress, and raises `FitInterrupted` (a
-``KeyboardInterrupt``) carrying the history so far and the functional state.
-A second Ctrl-C outside a step stops at once (to leave a data pipeline that
-hangs), and a ``KeyboardInterrupt`` raised outside a step by other code (a
-callback, the data pipeline, an evaluation step) stops the same way: both end
-in `FitInterrupted` with the state of the last completed step, the original
-exception as its ``__cause__``. The handler is in place only while `fit` runs,
-and only when it runs in the main thread (where Python delivers signals); the
-previous handler is put back afterwards, also after errors.
+Resuming: with a `jaxdist.training.Checkpoint` callback, ``fit(...,
+resume=True)`` restores the callback's latest checkpoint (verified against its
+SHA-256 manifest) into the state arguments, with the global step, the epoch,
+the training data's position, the epoch's running metrics and the `History`
+so far, and continues from there: a run stopped at any step boundary and
+resumed ends bitwise equal to one that never stopped. The data must be built
+as in the stopped run: `jaxdist.data.from_arrays` datasets and lists of
+batches start at the saved batch; other sources are read from the start of
+the epoch up to it (with a warning), exact when they yield the same batches
+again. Without a checkpoint it starts afresh. Callbacks' own state
+(`EarlyStopping`'s best value) is not saved, and each process restores its
+own data position (the same number of processes).
+
+Ctrl-C and SIGTERM during `fit` do not break a step: the step in progress
+completes and writes its state back (a step donates its input buffers, so
+stopping between its dispatch and its write-back would lose the state), then
+`fit` stops, the checkpoint callback (if any) saves at that step boundary and
+its writes finish, and `fit` raises `FitInterrupted` (a ``KeyboardInterrupt``)
+after Ctrl-C, or `FitPreempted` (a ``SystemExit`` with code 42, TF's and the
+launcher's "preempted: restart me") after SIGTERM; both carry the history so
+far and the functional state. A second Ctrl-C outside a step stops at once
+(to leave a data pipeline that hangs), and a ``KeyboardInterrupt`` raised
+outside a step by other code (a callback, the data pipeline, an evaluation
+step) stops the same way: both end in `FitInterrupted` with the state of the
+last completed step, the original exception as its ``__cause__``. The
+handlers are in place only while `fit` runs, and only when it runs in the
+main thread (where Python delivers signals); the previous handlers are put
+back afterwards, also after errors. SIGTERM is handled in a job of one
+process, unless its handler is ``SIG_IGN`` or was installed outside Python; a
+previous Python SIGTERM handler is called after the save, before the exit.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import signal
 import sys
-import threading
-import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, cast
 
 import jax
@@ -57,127 +71,17 @@ import jax
 from jaxdist._scope import get_strategy
 from jaxdist.input import DistributedDataset, DistributedIterator
 from jaxdist.strategy import Strategy
+from jaxdist.training._interrupts import Interrupts
+from jaxdist.training._loop import FitInterrupted, FitPreempted, History, Runner
 from jaxdist.training._nnx import is_nnx_node
 from jaxdist.training.callbacks import Callback, FitLoop, functional_result
-from jaxdist.training.progress import (
-    EpochMean,
-    MetricReader,
-    Progress,
-    StepLogs,
-    as_metrics,
-    want_bar,
-)
+from jaxdist.training.checkpoints import Checkpoint
+from jaxdist.training.progress import Progress, want_bar
 from jaxdist.training.step import TrainStep
-from jaxdist.values import PerReplica
 
-__all__ = ["FitInterrupted", "History", "fit"]
+__all__ = ["FitInterrupted", "FitPreempted", "History", "fit"]
 
 _WHERE = "jaxdist.fit"
-_END = object()
-
-
-@dataclasses.dataclass
-class History:
-    """What `fit` returns: the metrics of every epoch, Keras style.
-
-    Attributes:
-        history: metric name to its per-epoch values (training metrics, then
-            ``val_`` metrics), e.g. ``history["val_accuracy"][-1]``.
-        epochs: the epochs that ran (0-based, from ``initial_epoch``).
-        step: the global step reached (optimizer steps, from ``initial_step``).
-        examples_per_second: training throughput of each epoch (real rows per
-            second of the training steps, evaluation excluded).
-        stopped_early: True when a callback set ``loop.stop_training``.
-    """
-
-    history: dict[str, list[float]] = dataclasses.field(default_factory=dict)
-    epochs: list[int] = dataclasses.field(default_factory=list)
-    step: int = 0
-    examples_per_second: list[float] = dataclasses.field(default_factory=list)
-    stopped_early: bool = False
-
-    def _append(self, epoch: int, logs: Mapping[str, float], examples_per_s: float) -> None:
-        self.epochs.append(epoch)
-        self.examples_per_second.append(examples_per_s)
-        for k, v in logs.items():
-            self.history.setdefault(k, []).append(v)
-
-
-class FitInterrupted(KeyboardInterrupt):
-    """Raised by `fit` after Ctrl-C, once the step in progress has completed.
-
-    Also raised for a ``KeyboardInterrupt`` from code outside a step (a callback,
-    the data pipeline), which is then its ``__cause__``.
-
-    The NNX objects passed to `fit` hold the state after the last completed
-    step; the functional state after it is ``.state`` (as `fit` would have
-    returned it). Checkpoint writes have finished.
-
-    Attributes:
-        history: the `History` of the epochs completed before the interrupt.
-        state: the functional state(s) after the last completed step, or None
-            when every state argument is an NNX object.
-    """
-
-    def __init__(self, message: str, history: History, state: Any) -> None:
-        super().__init__(message)
-        self.history = history
-        self.state = state
-
-
-# Ctrl-C ---------------------------------------------------------------------------------
-
-
-class _Interrupts:
-    """A SIGINT handler for the duration of `fit` that records Ctrl-C instead of raising.
-
-    Installed only from the main thread (the only one Python delivers signals to);
-    the previous handler is put back on exit, errors included.
-    """
-
-    def __init__(self) -> None:
-        self.count = 0
-        self.in_step = False
-        self.step_failed = False  # an exception left a step between dispatch and write-back
-        self._previous: Any = None
-        self._installed = False
-
-    def __enter__(self) -> _Interrupts:
-        if threading.current_thread() is threading.main_thread():
-            self._previous = signal.getsignal(signal.SIGINT)
-            signal.signal(signal.SIGINT, self._handle)
-            self._installed = True
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if self._installed:
-            previous = self._previous if self._previous is not None else signal.SIG_DFL
-            signal.signal(signal.SIGINT, previous)
-            self._installed = False
-
-    def _handle(self, signum: int, frame: Any) -> None:
-        self.count += 1
-        if self.count > 1 and not self.in_step:
-            raise KeyboardInterrupt(
-                f"{_WHERE}: second Ctrl-C: stopped at once, outside any step (the state is "
-                "that of the last completed step)."
-            )
-
-    @property
-    def interrupted(self) -> bool:
-        return self.count > 0
-
-    @contextlib.contextmanager
-    def step(self) -> Iterator[None]:
-        """A step's dispatch and write-back: a second Ctrl-C is deferred until it ends."""
-        self.in_step = True
-        try:
-            yield
-        except BaseException:
-            self.step_failed = True
-            raise
-        finally:
-            self.in_step = False
 
 
 # Arguments ------------------------------------------------------------------------------
@@ -217,6 +121,33 @@ def _check_state(state: tuple[Any, ...], functional: tuple[bool, ...]) -> None:
             )
 
 
+def _checkpoint_callback(
+    callbacks: Sequence[Callback], resume: bool, initial_epoch: int, initial_step: int
+) -> Checkpoint | None:
+    """The `Checkpoint` callback among ``callbacks`` (at most one), checked for ``resume``."""
+    found = [cb for cb in callbacks if isinstance(cb, Checkpoint)]
+    if len(found) > 1:
+        raise ValueError(
+            f"{_WHERE}: callbacks holds {len(found)} jd.training.Checkpoint callbacks "
+            f"({', '.join(cb.directory for cb in found)}); give one (it saves every_n_steps "
+            "and/or every_epoch)."
+        )
+    if not isinstance(resume, bool):
+        raise TypeError(f"{_WHERE}: resume must be True or False, got {resume!r}.")
+    if resume and not found:
+        raise ValueError(
+            f"{_WHERE}: resume=True continues from the latest checkpoint of a "
+            "jd.training.Checkpoint callback, but callbacks holds none; add one, e.g. "
+            "callbacks=[jd.training.Checkpoint(directory, every_n_steps=100)]."
+        )
+    if resume and (initial_epoch or initial_step):
+        raise ValueError(
+            f"{_WHERE}: resume=True takes the epoch and step from the checkpoint; drop "
+            f"initial_epoch={initial_epoch} and initial_step={initial_step}."
+        )
+    return found[0] if found else None
+
+
 def _distributed(strategy: Strategy, data: Any) -> tuple[Any, int | None]:
     """The data as distributed batches, and its batch count per epoch when known."""
     if isinstance(data, (DistributedDataset, DistributedIterator)):
@@ -225,217 +156,6 @@ def _distributed(strategy: Strategy, data: Any) -> tuple[Any, int | None]:
     with contextlib.suppress(TypeError):
         total = len(data)
     return strategy.experimental_distribute_dataset(data), total
-
-
-def _new_state(out: Any, loop: FitLoop, check: bool) -> tuple[tuple[Any, ...], Any]:
-    """Splits a training step's output into the new state arguments and the metrics."""
-    n = sum(loop.functional)
-    if n == 0:
-        return loop.state, out
-    if check or not isinstance(out, tuple) or len(out) != n + 1:
-        _check_new_state(out, loop, n)
-    it = iter(out[:n])
-    return tuple(
-        next(it) if f else s for s, f in zip(loop.state, loop.functional, strict=True)
-    ), out[n]
-
-
-def _check_new_state(out: Any, loop: FitLoop, n: int) -> None:
-    """Explains a step output that is not ``(*new_functional_states, metrics)`` of the
-    state's structure, or whose new state differs between replicas."""
-    positions = [i for i, f in enumerate(loop.functional) if f]
-    if not isinstance(out, tuple) or len(out) != n + 1:
-        got = f"a tuple of {len(out)}" if isinstance(out, tuple) else f"a {type(out).__name__}"
-        raise TypeError(
-            f"{_WHERE}: the step got {n} functional state argument(s) (positions {positions}: "
-            f"{', '.join(type(loop.state[i]).__name__ for i in positions)}) and must return "
-            f"their new values and then the metrics, ({'new_state, ' * n}metrics); it "
-            f"returned {got}. For example: return state.apply_gradients(grads=grads), "
-            "{'loss': loss}. (NNX objects are updated in place and are not returned.) The "
-            "state passed to this step may have been donated: rebuild it before retrying."
-        )
-    for i, value in zip(positions, out[:n], strict=True):
-        if any(
-            isinstance(x, PerReplica)
-            for x in jax.tree.leaves(value, is_leaf=lambda x: isinstance(x, PerReplica))
-        ):
-            raise ValueError(
-                f"{_WHERE}: the new value of state argument {i} differs between replicas "
-                "(it came back PerReplica), so it cannot be one replicated state. Update "
-                "it from all-reduced values: grads = ctx.all_reduce('sum', grads) before "
-                "state.apply_gradients(grads=grads)."
-            )
-        before: Any = jax.tree.structure(loop.state[i])
-        after: Any = jax.tree.structure(value)
-        if before != after:
-            raise TypeError(
-                f"{_WHERE}: the step returned a new state argument {i} whose structure "
-                f"{after} differs from the one passed in {before}; return "
-                f"({'new_state, ' * n}metrics) with the new states in the order of the "
-                "functional arguments."
-            )
-
-
-# The loop -------------------------------------------------------------------------------
-
-
-@dataclasses.dataclass
-class _Runner:
-    """One `fit` call's loop (private)."""
-
-    step: Callable[..., Any]
-    loop: FitLoop
-    callbacks: Sequence[Callback]
-    display: Progress
-    interrupts: _Interrupts
-    history: History
-    train: Any  # the distributed training data
-    total: int | None  # its batches per epoch, when known
-    source: Any  # the data as given to fit (told each epoch's number by set_epoch)
-    eval_step: Callable[..., Any] | None
-    evaluation: Any  # the distributed evaluation data
-    reader: MetricReader = dataclasses.field(default_factory=MetricReader)
-    checked: bool = False
-
-    def train_epoch(self) -> tuple[dict[str, float], int, int, float]:
-        """Runs one epoch's steps; returns (metrics, steps, real rows, training seconds)."""
-        loop, interrupts, display = self.loop, self.interrupts, self.display
-        mean, done, start = EpochMean(), 0, time.perf_counter()
-        loop.at_epoch_end = False
-        it = iter(self.train)
-        try:
-            batch = next(it, _END)
-            if batch is _END:
-                raise ValueError(
-                    f"{_WHERE}: the data yielded no batches in epoch {loop.epoch}. An iterator "
-                    "(a generator, a DistributedIterator) gives a single epoch: pass a "
-                    "re-iterable dataset (jd.data.from_arrays(...), jd.data.from_generator(fn), "
-                    "a list of batches) or bound training with steps=."
-                )
-            pending: StepLogs | None = None
-            while True:
-                with interrupts.step():
-                    out = self.step(*loop.state, batch)
-                    loop.state, raw = _new_state(out, loop, check=not self.checked)
-                    loop.step += 1
-                if not self.checked:
-                    raw = as_metrics(raw, "step")
-                    self.checked = True
-                elif not isinstance(raw, dict):
-                    raw = as_metrics(raw, "step")
-                done += 1
-                logs = StepLogs(raw, batch, self.reader, "step")
-                if pending is not None:  # read one step late: the device runs ahead
-                    mean.add(pending)
-                    if display.bar:
-                        rate = mean.rows / max(time.perf_counter() - start, 1e-9)
-                        display.step(done - 1, mean.result(), rate)
-                pending = logs
-                if interrupts.interrupted:
-                    batch = _END
-                else:
-                    batch = next(it, _END)  # also at the step limit: is the epoch complete?
-                    loop.at_epoch_end = batch is _END
-                    if loop.steps is not None and loop.step >= loop.steps:
-                        batch = _END
-                for cb in self.callbacks:
-                    cb.on_step_end(loop.step, logs)
-                if batch is _END or loop.stop_training or interrupts.interrupted:
-                    break
-            mean.add(pending)
-            return mean.result(), done, mean.rows, time.perf_counter() - start
-        finally:
-            close = getattr(it, "close", None)
-            if close is not None and hasattr(it, "__next__"):
-                close()
-
-    def evaluate(self, eval_step: Callable[..., Any]) -> dict[str, float] | None:
-        """The ``val_`` metrics over the evaluation data; None when Ctrl-C stopped it."""
-        mean, pending = EpochMean(), None
-        for batch in self.evaluation:
-            if self.interrupts.interrupted:
-                return None
-            raw = as_metrics(eval_step(*self.loop.state, batch), "eval_step")
-            if pending is not None:
-                mean.add(pending)
-            pending = StepLogs(raw, batch, self.reader, "eval_step")
-        if pending is None:
-            raise ValueError(f"{_WHERE}: eval_data yielded no batches.")
-        mean.add(pending)
-        return mean.result("val_")
-
-    def run(self) -> None:
-        """The epochs between the callbacks' train hooks; `FitInterrupted` after Ctrl-C."""
-        loop, callbacks, interrupts = self.loop, self.callbacks, self.interrupts
-        for cb in callbacks:
-            cb.set_loop(loop)
-        logs: dict[str, float] = {}
-        cause: KeyboardInterrupt | None = None
-        try:
-            for cb in callbacks:
-                cb.on_train_begin({})
-            logs = self.epochs()
-        except KeyboardInterrupt as e:
-            # Raised outside a step (a callback, the data, evaluation, a second Ctrl-C): the
-            # state is that of the last completed step, as after Ctrl-C. Inside a step it may
-            # have been donated and not written back: nothing to hand over, so re-raise.
-            if isinstance(e, FitInterrupted) or interrupts.step_failed:
-                raise
-            cause = e
-        self.history.step = loop.step
-        if interrupts.interrupted or cause is not None:
-            loop.interrupted = True
-            self.display.close()
-            for cb in callbacks:
-                cb.on_train_end(logs)
-            how = "Ctrl-C" if interrupts.interrupted else "a KeyboardInterrupt"
-            raise FitInterrupted(
-                f"{_WHERE}: stopped by {how} after step {loop.step} (epoch {loop.epoch}); the "
-                "state is that of the last completed step (functional state: .state of this "
-                "exception).",
-                self.history,
-                functional_result(loop.state, loop.functional),
-            ) from cause
-        for cb in callbacks:
-            cb.on_train_end(logs)
-
-    def epochs(self) -> dict[str, float]:
-        """The epochs until a bound, ``stop_training`` or Ctrl-C; returns the last epoch's logs."""
-        loop, interrupts, history = self.loop, self.interrupts, self.history
-        logs: dict[str, float] = {}
-        set_epoch = getattr(self.source, "set_epoch", None)
-        while not (
-            (loop.epochs is not None and loop.epoch >= loop.epochs)
-            or (loop.steps is not None and loop.step >= loop.steps)
-        ):
-            if callable(set_epoch):
-                set_epoch(loop.epoch)
-            for cb in self.callbacks:
-                cb.on_epoch_begin(loop.epoch, {})
-            total = self.total
-            remaining = None if loop.steps is None else loop.steps - loop.step
-            shown = total if remaining is None else min(total or remaining, remaining)
-            self.display.epoch_begin(loop.epoch, shown)
-            train_logs, done, rows, seconds = self.train_epoch()
-            logs = dict(train_logs)
-            if not interrupts.interrupted and self.eval_step is not None:
-                val = self.evaluate(self.eval_step)
-                logs.update(val or {})
-            if interrupts.interrupted:
-                break
-            if total is None and (loop.steps is None or loop.step < loop.steps):
-                self.total = done  # the data ran out: steps per epoch, now known
-            rate = rows / max(seconds, 1e-9)
-            self.display.epoch_end(loop.epoch, done, logs, rate, seconds)
-            history._append(loop.epoch, logs, rate)
-            history.step = loop.step
-            for cb in self.callbacks:
-                cb.on_epoch_end(loop.epoch, logs)
-            loop.epoch += 1
-            if loop.stop_training:
-                history.stopped_early = True
-                break
-        return logs
 
 
 def fit(
@@ -452,6 +172,7 @@ def fit(
     initial_epoch: int = 0,
     initial_step: int = 0,
     strategy: Strategy | None = None,
+    resume: bool = False,
 ) -> Any:  # History, or (new_state, History) for functional state
     """Trains with ``step(*state, batch)`` over ``data`` for some epochs or steps.
 
@@ -475,15 +196,21 @@ def fit(
             prefix. It must not donate functional state (use
             ``jd.train_step(strategy, donate=False)`` for it).
         eval_data: the evaluation data (as ``data``).
-        callbacks: `Callback` objects (`Checkpoint`, `EarlyStopping`, ...).
+        callbacks: `Callback` objects (`Checkpoint`, `EarlyStopping`, ...); at
+            most one `Checkpoint`.
         progress: ``"auto"``: a progress bar when stdout is a terminal;
             ``True``: always; ``False``: never.
         verbose: without a bar, print one line per epoch (else nothing).
-        initial_epoch: the epoch to start at (resuming: ``Restored.epoch``).
-        initial_step: the global step to start at (resuming: ``Restored.step``).
+        initial_epoch: the epoch to start at.
+        initial_step: the global step to start at.
         strategy: the strategy; by default the step's (a `train_step` built
             with one), else the one of the enclosing ``strategy.scope()``. The
             loop runs inside its scope.
+        resume: continue from the latest checkpoint of the `Checkpoint`
+            callback's directory: the state arguments (NNX objects in place,
+            functional states replaced), the step, the epoch, the data's
+            position and the history so far; without a checkpoint there, start
+            afresh. Give the state and data built as for the run that saved it.
 
     Returns:
         The `History` when every state argument is an NNX object; otherwise
@@ -493,7 +220,11 @@ def fit(
 
     Raises:
         FitInterrupted: after Ctrl-C, once the step in progress has completed
-            (or after a ``KeyboardInterrupt`` raised outside a step).
+            and the checkpoint callback has saved it (or after a
+            ``KeyboardInterrupt`` raised outside a step).
+        FitPreempted: after SIGTERM, likewise (``SystemExit`` with code 42).
+        ValueError: ``resume=True`` and the latest checkpoint does not verify
+            or does not fit the state (nothing is changed then).
 
     Example:
         >>> import jax.numpy as jnp, numpy as np, optax, jaxdist as jd
@@ -538,6 +269,7 @@ def fit(
                 f"{_WHERE}: callbacks must be jd.training.Callback objects, got "
                 f"{type(cb).__name__}; subclass Callback and override its hooks."
             )
+    checkpoint = _checkpoint_callback(callbacks, resume, initial_epoch, initial_step)
     if epochs is None and steps is None:
         epochs = initial_epoch + 1
     functional = tuple(not is_nnx_node(s) for s in state)
@@ -560,11 +292,11 @@ def fit(
         steps=steps,
     )
     history = History(step=initial_step)
-    with strategy.scope(), _Interrupts() as interrupts:
+    with strategy.scope(), Interrupts() as interrupts:
         try:
             train, total = _distributed(strategy, data)
             evaluation = None if eval_data is None else _distributed(strategy, eval_data)[0]
-            _Runner(
+            runner = Runner(
                 step,
                 loop,
                 callbacks,
@@ -576,7 +308,14 @@ def fit(
                 source=data,
                 eval_step=eval_step,
                 evaluation=evaluation,
-            ).run()
+                track=checkpoint is not None,
+            )
+            if resume:
+                assert checkpoint is not None
+                resumed = checkpoint.restore_latest(loop)
+                if resumed is not None:
+                    runner.resume(resumed)
+            runner.run()
         finally:
             display.close()
             for cb in callbacks:

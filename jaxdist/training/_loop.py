@@ -208,7 +208,12 @@ class Runner:
             # The epoch was cut short (steps=, stop_training) and logged; it goes on from
             # its data position and is logged again, whole, when it ends.
             count = len(history.epochs)
-            for values in (history.epochs, history.examples_per_second, *history.history.values()):
+            columns: list[list[Any]] = [
+                history.epochs,
+                history.examples_per_second,
+                *history.history.values(),
+            ]
+            for values in columns:
                 if count and len(values) == count:
                     values.pop()
             history.history = {k: v for k, v in history.history.items() if v}

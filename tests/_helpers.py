@@ -128,3 +128,9 @@ def run_python(code: str, *args: str, timeout: float = 200, devices: int = 8) ->
             f"{proc.stderr[-3000:]}"
         )
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+# orbax may leave a tensorstore callback for an event loop it already closed when a read
+# of a deliberately damaged checkpoint fails (seen once in about ten runs on jax 0.12):
+# not jaxdist's error, and not what the tests marked with this check.
+ORBAX_CLOSED_LOOP = pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")

@@ -14,6 +14,8 @@ import pytest
 
 import jaxdist as jd
 
+from _helpers import ORBAX_CLOSED_LOOP
+
 
 def _state(strategy: jd.Strategy) -> dict:
     with strategy.scope():
@@ -348,6 +350,7 @@ def test_save_writes_a_checksum_manifest(tmp_path) -> None:
     }
 
 
+@ORBAX_CLOSED_LOOP
 def test_a_flipped_byte_in_the_data_does_not_restore(tmp_path) -> None:
     pytest.importorskip("orbax.checkpoint")
     s8 = jd.MirroredStrategy()
@@ -366,6 +369,7 @@ def test_a_flipped_byte_in_the_data_does_not_restore(tmp_path) -> None:
         jd.checkpoint.restore(tmp_path / "ckpt", _int_state(s8))
 
 
+@ORBAX_CLOSED_LOOP
 def test_a_damaged_or_missing_manifest_does_not_restore(tmp_path) -> None:
     pytest.importorskip("orbax.checkpoint")
     s8 = jd.MirroredStrategy()

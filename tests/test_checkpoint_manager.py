@@ -22,7 +22,7 @@ import pytest
 
 import jaxdist as jd
 
-from _helpers import run_workers
+from _helpers import ORBAX_CLOSED_LOOP, run_workers
 
 pytest.importorskip("orbax.checkpoint")
 
@@ -295,6 +295,7 @@ def _big_file(path: Path) -> Path:
     return max(files, key=lambda p: p.stat().st_size)
 
 
+@ORBAX_CLOSED_LOOP
 def test_corrupted_files_fail_verification(tmp_path: Path) -> None:
     rng = np.random.default_rng(0)
     w = rng.normal(size=(64, 64)).astype(np.float32)

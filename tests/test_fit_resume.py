@@ -34,7 +34,7 @@ from flax import nnx
 
 import jaxdist as jd
 
-from _helpers import REPO, strategy_params
+from _helpers import ORBAX_CLOSED_LOOP, REPO, strategy_params
 
 pytest.importorskip("orbax.checkpoint")
 
@@ -558,6 +558,7 @@ def _largest_file(path: Path) -> Path:
     return max(files, key=lambda p: p.stat().st_size)
 
 
+@ORBAX_CLOSED_LOOP
 @pytest.mark.timeout(300)
 def test_a_corrupted_checkpoint_is_refused_and_nothing_changes(
     tmp_path: Path, mirrored8: jd.MirroredStrategy

@@ -32,6 +32,8 @@ import pytest
 
 import jaxdist as jd
 
+from _helpers import ORBAX_CLOSED_LOOP
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text(encoding="utf-8")
 BLOCKS = re.findall(r"```python\n(.*?)```", README, flags=re.S)
@@ -362,6 +364,7 @@ def _flip_middle_byte_of_largest_data_file(directory: str) -> None:
     pathlib.Path(target).write_bytes(bytes(data))
 
 
+@ORBAX_CLOSED_LOOP
 def test_checkpoint_claims_hold_for_a_flipped_byte() -> None:
     """README: `jd.checkpoint.restore` and `jd.training.restore_checkpoint` both detect a
     flipped data byte."""

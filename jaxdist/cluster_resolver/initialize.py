@@ -22,22 +22,22 @@ job hanging for minutes. ``shutdown_timeout_seconds`` bounds the wait for the
 other processes at exit (JAX's default: a chief still writing a checkpoint
 must not make the workers fail).
 
-An uncaught exception in a process of a multi-process job ends that process
-at once (exit code 1, after the traceback) instead of in the shutdown barrier
-at exit, where it would wait for peers blocked in a collective that waits for
-it; the launcher (or the heartbeat) then stops the others. Set
-``JAXDIST_EXIT_ON_ERROR=0`` to keep Python's normal exit. ``sys.exit(code)``
-is a normal exit and goes through the barrier: to fail a multi-process job
-from code, raise an exception.
+A process of a multi-process job that fails ends at once, with its own exit
+code, instead of in the shutdown barrier at exit, where it would wait for
+peers blocked in a collective that waits for it: an uncaught exception (exit
+code 1 after the traceback; 130 for ``KeyboardInterrupt``), and
+``sys.exit(code)`` with a failing code (that code; a message: 1). The
+launcher (or the heartbeat) then stops the others and names this process.
+A successful exit (``sys.exit(0)``, the end of the script) still waits for
+the others at the barrier. Set ``JAXDIST_EXIT_ON_ERROR=0`` to keep Python's
+normal exit. Details in `jaxdist.cluster_resolver._fail_fast`.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import inspect
 import os
-import sys
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -46,6 +46,7 @@ import jax
 
 from jaxdist._jax_compat import backends_initialized as _backends_initialized
 from jaxdist._jax_compat import distributed_cluster
+from jaxdist.cluster_resolver import _fail_fast
 from jaxdist.cluster_resolver.base import COLLECTIVE_JOBS, ClusterResolver
 from jaxdist.cluster_resolver.default import resolve_default
 
@@ -266,24 +267,8 @@ def initialize(
 
 
 def _exit_on_uncaught_exception() -> None:
-    """Makes an uncaught exception end this process at once, after its traceback.
-
-    Otherwise the interpreter's exit runs `jax.distributed`'s shutdown, a barrier
-    that waits (up to ``shutdown_timeout_seconds``) for the other processes,
-    which may themselves be blocked in a collective waiting for this one: the
-    whole job would hang for minutes instead of failing. Exit code 1 (130 for
-    KeyboardInterrupt), as Python's own.
-    """
-    previous = sys.excepthook
-
-    def hook(exc_type: type[BaseException], exc: BaseException, tb: Any) -> None:
-        previous(exc_type, exc, tb)
-        for stream in (sys.stdout, sys.stderr):
-            with contextlib.suppress(Exception):
-                stream.flush()
-        os._exit(130 if issubclass(exc_type, KeyboardInterrupt) else 1)
-
-    sys.excepthook = hook
+    """Makes a failing process end at once with its own code (see `_fail_fast`)."""
+    _fail_fast.install(lambda code: os._exit(code))
 
 
 def is_initialized() -> bool:
@@ -309,3 +294,4 @@ def shutdown() -> None:
         if _started is not None and _started.ours:
             _distributed_shutdown()
         _started = None
+        _fail_fast.uninstall()

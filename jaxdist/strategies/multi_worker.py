@@ -28,9 +28,10 @@ SIGKILL)                                and, ``heartbeat_timeout_seconds`` later
                                         1"). Measured: 20.5 s with 20 s, 10.7 s with 10 s
 process 0 dies (it hosts the            the others end at once (measured: 0.1 s): their
 coordination service)                   connection to the service breaks
-an uncaught exception in a process      that process exits at once, code 1 (see
-                                        `jaxdist.initialize`); the others as for a dead
-                                        process
+an uncaught exception in a process, or  that process exits at once, code 1 (the code
+``sys.exit(code)`` with a failing code  given to ``sys.exit``; see `jaxdist.initialize`);
+                                        the others as for a dead process (under the
+                                        launcher: measured 5.2 s, ``--kill-timeout``)
 a process is alive but stuck (a hang,   its heartbeat goes on, so the others wait in their
 a skipped step, a long pause)           collective: on CPU up to XLA's collective timeout,
                                         30 min by default

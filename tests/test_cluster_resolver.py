@@ -1146,6 +1146,7 @@ class FakeJax:
 
     def __init__(self) -> None:
         self.init_calls: list[dict[str, Any]] = []
+        self.check_ins: list[dict[str, Any]] = []
         self.shutdowns = 0
         self.backend_started = False
         self.external: tuple[str | None, int, int] | None = None
@@ -1159,11 +1160,15 @@ class FakeJax:
     def shutdown(self) -> None:
         self.shutdowns += 1
 
+    def check_in(self, **kwargs: Any) -> None:
+        self.check_ins.append(kwargs)
+
 
 @pytest.fixture
 def fake_jax(monkeypatch: pytest.MonkeyPatch) -> FakeJax:
     fake = FakeJax()
     monkeypatch.setattr(init_mod, "_distributed_initialize", fake.initialize)
+    monkeypatch.setattr(init_mod, "_check_in", fake.check_in)
     monkeypatch.setattr(init_mod, "_distributed_shutdown", fake.shutdown)
     monkeypatch.setattr(init_mod, "_backends_initialized", lambda: fake.backend_started)
     monkeypatch.setattr(init_mod, "_external_cluster", lambda: fake.external)
@@ -1204,6 +1209,15 @@ def test_initialize_starts_once_with_bounded_timeouts(fake_jax: FakeJax) -> None
         }
     ]
     assert is_initialized()
+    assert fake_jax.check_ins == [  # the start-up rendezvous comes first
+        {
+            "address": "w0:2222",
+            "num_processes": 2,
+            "process_id": 1,
+            "timeout": 300,
+            "report_interval": 30.0,
+        }
+    ]
     initialize(workers(1, "w0:2222", "w1:2222"))  # the same cluster again: nothing to do
     assert len(fake_jax.init_calls) == 1
     with pytest.raises(
@@ -1250,6 +1264,23 @@ def test_initialize_timeouts(monkeypatch: pytest.MonkeyPatch, fake_jax: FakeJax)
         ):
             initialize(workers(0, "w0:1", "w1:1"), initialization_timeout=bad)  # type: ignore[arg-type]
     assert len(fake_jax.init_calls) == 1
+    monkeypatch.delenv("JAXDIST_HEARTBEAT_TIMEOUT")
+    monkeypatch.setenv("JAXDIST_STARTUP_REPORT_INTERVAL", "0.5")
+    initialize(workers(0, "w0:1", "w1:1"))
+    assert fake_jax.check_ins[-1]["report_interval"] == 0.5
+    shutdown()
+    monkeypatch.setenv("JAXDIST_STARTUP_REPORT_INTERVAL", "0")  # no rendezvous: JAX alone
+    initialize(workers(0, "w0:1", "w1:1"))
+    assert len(fake_jax.check_ins) == 2 and len(fake_jax.init_calls) == 3
+    shutdown()
+    for bad in ("-1", "soon", "inf"):
+        monkeypatch.setenv("JAXDIST_STARTUP_REPORT_INTERVAL", bad)
+        with pytest.raises(
+            ValueError,
+            match=rf"the environment variable JAXDIST_STARTUP_REPORT_INTERVAL must be a number "
+            rf"of seconds >= 0 \(0 turns the start-up rendezvous off\), got '{bad}'",
+        ):
+            initialize(workers(0, "w0:1", "w1:1"))
 
 
 def test_initialize_after_the_backend_started(fake_jax: FakeJax) -> None:

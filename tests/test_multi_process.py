@@ -55,6 +55,8 @@ wl = _load_workload()
 def _env(devices: int, process: int | None, processes: int, port: int) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("JAXDIST_", "JAX_", "XLA_"))}
     env.update({"JAX_PLATFORMS": "cpu", "JAX_NUM_CPU_DEVICES": str(devices)})
+    repo = str(Path(__file__).resolve().parents[1])  # this checkout's jaxdist, not an install
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [repo, env.get("PYTHONPATH")]))
     if process is not None:
         env.update(
             {

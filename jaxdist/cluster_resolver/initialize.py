@@ -12,7 +12,15 @@ argument                         environment variable                default
 ===============================  ==================================  =======
 
 ``initialization_timeout`` bounds how long a process waits for all the others
-to connect. ``heartbeat_timeout_seconds`` is how long a process may go silent
+to connect. While it waits, each process prints every 30 s
+(``JAXDIST_STARTUP_REPORT_INTERVAL``) "waiting for k of n processes to connect
+to ADDRESS (missing: process ...)", and on timeout `initialize` raises
+`RuntimeError` naming the missing process ids and the address (a rendezvous
+of jaxdist's own on the coordinator's port, before `jax.distributed` starts
+there; ``JAXDIST_STARTUP_REPORT_INTERVAL=0`` leaves start-up to JAX alone,
+which waits silently and then aborts every process).
+
+``heartbeat_timeout_seconds`` is how long a process may go silent
 before the coordination service declares it dead and terminates every other
 process: measured on localhost (2 CPU processes, one killed with SIGKILL),
 the survivor stopped 19.7 s after its peer died with 20 s, and 10.0 s with
@@ -46,7 +54,7 @@ import jax
 
 from jaxdist._jax_compat import backends_initialized as _backends_initialized
 from jaxdist._jax_compat import distributed_cluster
-from jaxdist.cluster_resolver import _fail_fast
+from jaxdist.cluster_resolver import _fail_fast, _rendezvous
 from jaxdist.cluster_resolver.base import COLLECTIVE_JOBS, ClusterResolver
 from jaxdist.cluster_resolver.default import resolve_default
 
@@ -78,6 +86,10 @@ def _distributed_initialize(**kwargs: Any) -> None:
 
 def _distributed_shutdown() -> None:
     jax.distributed.shutdown()
+
+
+def _check_in(**kwargs: Any) -> None:
+    _rendezvous.rendezvous(**kwargs)
 
 
 def _external_cluster() -> tuple[str | None, int, int] | None:
@@ -121,6 +133,24 @@ def _timeout(value: int | None, env: str, default: int, argument: str) -> int:
         raise ValueError(
             f"jaxdist.initialize(): {source} must be a positive whole number of seconds, got "
             f"{value!r}."
+        )
+    return value
+
+
+def _report_interval() -> float:
+    """Seconds between start-up reports (0: no rendezvous), from the environment."""
+    env = _rendezvous.ENV_REPORT_INTERVAL
+    raw = os.environ.get(env, "").strip()
+    if not raw:
+        return _rendezvous.DEFAULT_REPORT_INTERVAL
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not value >= 0 or value == float("inf"):
+        raise ValueError(
+            f"jaxdist.initialize(): the environment variable {env} must be a number of seconds "
+            f">= 0 (0 turns the start-up rendezvous off), got {raw!r}."
         )
     return value
 
@@ -257,6 +287,15 @@ def initialize(
                 f"jax.distributed can no longer join the cluster {_describe(cluster, source)}. "
                 "Call jaxdist.initialize() (or create the MultiWorkerMirroredStrategy) at the "
                 "start of the program, before anything touches devices."
+            )
+        interval = _report_interval()
+        if interval:
+            _check_in(
+                address=cluster[0],
+                num_processes=cluster[1],
+                process_id=cluster[2],
+                timeout=timeouts["initialization_timeout"],
+                report_interval=interval,
             )
         call = {**kwargs, **timeouts, "cluster_detection_method": "deactivate"}
         _distributed_initialize(**_supported(jax.distributed.initialize, call))

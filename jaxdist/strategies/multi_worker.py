@@ -15,9 +15,11 @@ gloo collectives, the survivor waiting in an all-reduce):
 ======================================  ==================================================
 what happens                            what the other processes do
 ======================================  ==================================================
-start-up: a process never connects      `jaxdist.initialize` raises after
-                                        ``initialization_timeout`` (300 s;
-                                        ``JAXDIST_INITIALIZATION_TIMEOUT``)
+start-up: a process never connects      each process prints "waiting for k of n
+                                        processes to connect to ADDRESS (missing: ...)"
+                                        every 30 s; `jaxdist.initialize` raises, naming
+                                        the missing ids, after ``initialization_timeout``
+                                        (300 s; ``JAXDIST_INITIALIZATION_TIMEOUT``)
 a worker process dies (crash, OOM,      JAX's coordination service misses its heartbeats
 SIGKILL)                                and, ``heartbeat_timeout_seconds`` later (jaxdist:
                                         20 s, ``JAXDIST_HEARTBEAT_TIMEOUT``; JAX's own:

@@ -99,6 +99,8 @@ class Launcher:
         if module:
             kw.setdefault("cwd", ROOT)
         cmd = [sys.executable, *entry, *map(str, args)]
+        env = dict(os.environ if env is None else env)  # this checkout's jaxdist, not an install
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
         self.proc = subprocess.Popen(
             cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, **kw
         )

@@ -166,6 +166,7 @@ def test_a_process_that_never_starts_is_named(present: int) -> None:
     assert proc.returncode == 1, proc.stderr[-3000:]
     failed = re.search(r"^FAILED (\S+) (.*)$", proc.stdout, re.M)
     assert failed, (proc.stdout, proc.stderr[-3000:])
+    print(f"process {present} alone: initialize raised after {failed[1]} s (timeout 4 s)")
     assert float(failed[1]) < 4 + 12, failed[1]  # the timeout, not JAX's 300 s abort
     address = f"127.0.0.1:{port}"
     missing = 1 - present

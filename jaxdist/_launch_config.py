@@ -13,6 +13,7 @@ import sys
 from collections.abc import Mapping
 
 __all__ = [
+    "ENV_COLLECTIVE_TIMEOUT",
     "DEFAULT_KILL_TIMEOUT",
     "ENV_COORDINATOR_ADDRESS",
     "ENV_LOCAL_DEVICE_COUNT",
@@ -36,6 +37,7 @@ ENV_NUM_PROCESSES = "JAXDIST_NUM_PROCESSES"
 ENV_PROCESS_ID = "JAXDIST_PROCESS_ID"
 ENV_LOCAL_DEVICE_COUNT = "JAXDIST_LOCAL_DEVICE_COUNT"
 ENV_RESTART_COUNT = "JAXDIST_RESTART_COUNT"
+ENV_COLLECTIVE_TIMEOUT = "JAXDIST_COLLECTIVE_TIMEOUT"  # MultiWorkerMirroredStrategy reads it
 
 LOOPBACK = "127.0.0.1"
 DEFAULT_KILL_TIMEOUT = 5.0
@@ -63,6 +65,9 @@ class LaunchConfig:
         kill_timeout: seconds between SIGTERM and SIGKILL when stopping processes.
         coordinator_port: a fixed coordinator port on 127.0.0.1 (``None``: a free one).
         prefix: prefix each output line with ``[i] ``.
+        collective_timeout: seconds after which a `MultiWorkerMirroredStrategy` step
+            that does not complete ends the job, for strategies created without
+            ``CommunicationOptions(timeout_seconds=...)`` (``None``: no default).
 
     Example:
         >>> from jaxdist.launch import LaunchConfig
@@ -85,6 +90,7 @@ class LaunchConfig:
     kill_timeout: float = DEFAULT_KILL_TIMEOUT
     coordinator_port: int | None = None
     prefix: bool = True
+    collective_timeout: float | None = None
 
     def __post_init__(self) -> None:
         port, inf = self.coordinator_port, float("inf")
@@ -95,6 +101,7 @@ class LaunchConfig:
             ("devices_per_proc", self.devices_per_proc, 1, inf, "must be >= 1, or None for 1"),
             ("gpus_per_proc", self.gpus_per_proc, 1, inf, "must be >= 1, or None for CPU"),
             ("coordinator_port", port, 1, 65535, "must be in 1..65535, or None for a free one"),
+            ("collective_timeout", self.collective_timeout, 0, inf, "must be >= 0 (0: none)"),
         ]:
             if value is not None and not low <= value <= high:
                 option = "--" + name.replace("_", "-")
@@ -181,6 +188,8 @@ def child_environment(
     env[ENV_LOCAL_DEVICE_COUNT] = str(k)
     env[ENV_RESTART_COUNT] = str(restart_count)
     env.setdefault("PYTHONUNBUFFERED", "1")
+    if config.collective_timeout is not None:
+        env[ENV_COLLECTIVE_TIMEOUT] = f"{config.collective_timeout:g}"
     if config.gpus_per_proc is None:
         env["JAX_NUM_CPU_DEVICES"] = str(k)
         env.setdefault("JAX_PLATFORMS", "cpu")

@@ -16,14 +16,13 @@ plainly that it does not:
   at least that many bytes, in leaf order (as TF's ``group_by_size`` packs),
   and reduces one buffer per collective. ``0`` leaves batching to XLA, whose
   combiner already merges the per-tensor all-reduces of one step.
-- ``timeout_seconds`` bounds each wait in a cross-process collective on the
-  CPU backend: `MultiWorkerMirroredStrategy` turns it into XLA's
-  process-wide ``--xla_cpu_collective_timeout_seconds`` when it starts
-  `jax.distributed`, and a collective that has not completed by then raises
-  ``JaxRuntimeError``. GPU and TPU collectives have no such deadline in
-  JAX; there, as everywhere, a dead process is caught by `jax.distributed`'s
-  heartbeat (``jaxdist.initialize(heartbeat_timeout_seconds=...)``). Other
-  strategies and per-call options carry the value without enforcing it.
+- ``timeout_seconds`` bounds each step of a multi-process
+  `MultiWorkerMirroredStrategy`: a watchdog thread in each process ends the
+  job when a step does not complete within that time, naming the step and
+  the processes that did not reach it (on every backend; on CPU, XLA's
+  ``--xla_cpu_collective_timeout_seconds`` is also set, 10 s later, as a
+  backstop). Other strategies and per-call options carry the value without
+  enforcing it.
 
 `CollectiveHints` is TF's deprecated spelling; it warns and returns a
 `CommunicationOptions`.
@@ -125,12 +124,12 @@ class CommunicationOptions:
             XLA's combiner batch them; ``> 0`` concatenates same-dtype tensors,
             in order, into buffers of at least this many bytes and reduces one
             buffer per collective.
-        timeout_seconds: ``None`` or seconds (``0``: XLA's default). Given to
-            `MultiWorkerMirroredStrategy` on CPU, how long a collective may wait
-            for the other processes before it raises (see the module
-            docstring); elsewhere carried, not enforced. A dead process is
-            caught by `jax.distributed`'s heartbeat in any case
-            (``jaxdist.initialize(heartbeat_timeout_seconds=)``).
+        timeout_seconds: ``None`` or seconds (``0``: no limit). Given to a
+            multi-process `MultiWorkerMirroredStrategy`, how long a step may
+            take before its watchdog ends the job, naming the processes that
+            did not reach it (see the module docstring); elsewhere carried,
+            not enforced. A dead process is caught by `jax.distributed`'s
+            heartbeat in any case (``jaxdist.initialize(heartbeat_timeout_seconds=)``).
         implementation: a `CommunicationImplementation` (or its name): the
             collective structure, see `jaxdist.reduce.cross_device_ops_for`.
 

@@ -23,6 +23,8 @@ Options:
 ``--max-restarts K``         restart the whole group up to K times (default 0)
 ``--count-preemptions``      count restarts after preemptions against K too
 ``--kill-timeout SECONDS``   grace between SIGTERM and SIGKILL (default 5)
+``--collective-timeout T``   end the job when a MultiWorkerMirroredStrategy step
+                             does not complete in T s (default: no limit)
 ``--coordinator-port PORT``  pin the coordinator port (alias ``--master-port``)
 ``--no-prefix``              do not prefix output lines with ``[i] ``
 ``-m``                       the program is a module name, as in ``python -m``
@@ -42,6 +44,9 @@ Environment of process ``i`` (everything else is inherited from the launcher):
 ``CUDA_VISIBLE_DEVICES``           ``--gpus-per-proc`` only: this process's slice
                                    of the launcher's own list (or of ``0, 1, ...``)
 ``PYTHONUNBUFFERED``               ``1`` unless already set, so lines show at once
+``JAXDIST_COLLECTIVE_TIMEOUT``     ``--collective-timeout`` only: ``T``, the
+                                   ``timeout_seconds`` of strategies whose
+                                   ``CommunicationOptions`` give none
 =================================  ==============================================
 
 Output: each line a process writes to stdout (stderr) is copied whole to the
@@ -396,6 +401,9 @@ def _parser(prog: str) -> argparse.ArgumentParser:
         help="count restarts after a preemption (exit code 42) against --max-restarts")  # fmt: skip
     add("--kill-timeout", type=float, default=DEFAULT_KILL_TIMEOUT, metavar="SECONDS",
         help=f"grace between SIGTERM and SIGKILL (default {DEFAULT_KILL_TIMEOUT:g})")  # fmt: skip
+    add("--collective-timeout", type=float, metavar="SECONDS",
+        help="end the job when a MultiWorkerMirroredStrategy step does not complete in this "
+        "time: the default CommunicationOptions.timeout_seconds (default: no limit)")  # fmt: skip
     add("--coordinator-port", "--master-port", type=int, metavar="PORT",
         help="coordinator port on 127.0.0.1 (default: a free one)")  # fmt: skip
     add("--no-prefix", action="store_true", help="do not prefix output lines with '[i] '")
@@ -430,6 +438,7 @@ def _parse(argv: list[str], prog: str) -> LaunchConfig:
             kill_timeout=ns.kill_timeout,
             coordinator_port=ns.coordinator_port,
             prefix=not ns.no_prefix,
+            collective_timeout=ns.collective_timeout,
         )
         child_environment(config, 0, 1)  # e.g. too few GPUs listed: fail before starting
     except ValueError as exc:

@@ -12,8 +12,10 @@ import importlib
 import json
 import os
 import re
+import subprocess
 import sys
 import types
+from pathlib import Path
 from types import SimpleNamespace as NS
 from typing import Any
 
@@ -1144,6 +1146,7 @@ class FakeJax:
 
     def __init__(self) -> None:
         self.init_calls: list[dict[str, Any]] = []
+        self.check_ins: list[dict[str, Any]] = []
         self.shutdowns = 0
         self.backend_started = False
         self.external: tuple[str | None, int, int] | None = None
@@ -1157,15 +1160,20 @@ class FakeJax:
     def shutdown(self) -> None:
         self.shutdowns += 1
 
+    def check_in(self, **kwargs: Any) -> None:
+        self.check_ins.append(kwargs)
+
 
 @pytest.fixture
 def fake_jax(monkeypatch: pytest.MonkeyPatch) -> FakeJax:
     fake = FakeJax()
     monkeypatch.setattr(init_mod, "_distributed_initialize", fake.initialize)
+    monkeypatch.setattr(init_mod, "_check_in", fake.check_in)
     monkeypatch.setattr(init_mod, "_distributed_shutdown", fake.shutdown)
     monkeypatch.setattr(init_mod, "_backends_initialized", lambda: fake.backend_started)
     monkeypatch.setattr(init_mod, "_external_cluster", lambda: fake.external)
-    monkeypatch.setattr(sys, "excepthook", sys.excepthook)  # initialize replaces it
+    monkeypatch.setattr(sys, "excepthook", sys.excepthook)  # initialize replaces these
+    monkeypatch.setattr(sys, "exit", sys.exit)
     return fake
 
 
@@ -1201,6 +1209,15 @@ def test_initialize_starts_once_with_bounded_timeouts(fake_jax: FakeJax) -> None
         }
     ]
     assert is_initialized()
+    assert fake_jax.check_ins == [  # the start-up rendezvous comes first
+        {
+            "address": "w0:2222",
+            "num_processes": 2,
+            "process_id": 1,
+            "timeout": 300,
+            "report_interval": 30.0,
+        }
+    ]
     initialize(workers(1, "w0:2222", "w1:2222"))  # the same cluster again: nothing to do
     assert len(fake_jax.init_calls) == 1
     with pytest.raises(
@@ -1247,6 +1264,23 @@ def test_initialize_timeouts(monkeypatch: pytest.MonkeyPatch, fake_jax: FakeJax)
         ):
             initialize(workers(0, "w0:1", "w1:1"), initialization_timeout=bad)  # type: ignore[arg-type]
     assert len(fake_jax.init_calls) == 1
+    monkeypatch.delenv("JAXDIST_HEARTBEAT_TIMEOUT")
+    monkeypatch.setenv("JAXDIST_STARTUP_REPORT_INTERVAL", "0.5")
+    initialize(workers(0, "w0:1", "w1:1"))
+    assert fake_jax.check_ins[-1]["report_interval"] == 0.5
+    shutdown()
+    monkeypatch.setenv("JAXDIST_STARTUP_REPORT_INTERVAL", "0")  # no rendezvous: JAX alone
+    initialize(workers(0, "w0:1", "w1:1"))
+    assert len(fake_jax.check_ins) == 2 and len(fake_jax.init_calls) == 3
+    shutdown()
+    for bad in ("-1", "soon", "inf"):
+        monkeypatch.setenv("JAXDIST_STARTUP_REPORT_INTERVAL", bad)
+        with pytest.raises(
+            ValueError,
+            match=rf"the environment variable JAXDIST_STARTUP_REPORT_INTERVAL must be a number "
+            rf"of seconds >= 0 \(0 turns the start-up rendezvous off\), got '{bad}'",
+        ):
+            initialize(workers(0, "w0:1", "w1:1"))
 
 
 def test_initialize_after_the_backend_started(fake_jax: FakeJax) -> None:
@@ -1456,6 +1490,63 @@ def test_uncaught_exception_ends_a_multi_process_job_at_once(
     initialize(workers(0, "w0:1", "w1:1"))
     assert sys.excepthook is python_hook
     shutdown()
+
+
+def test_failing_sys_exit_is_hooked_in_multi_process_jobs_only(fake_jax: FakeJax) -> None:
+    python_exit = sys.exit
+    initialize(workers(0, "w0:1"))  # one process: Python's own exit
+    assert sys.exit is python_exit
+    initialize(workers(0, "w0:1", "w1:1"))
+    assert sys.exit is not python_exit
+    for status in [3, "bad input", None, 0]:
+        with pytest.raises(SystemExit) as caught:  # except SystemExit still catches it
+            sys.exit(status)
+        assert caught.value.code == status
+        # A successful exit raises Python's own SystemExit: it waits at the barrier.
+        assert (type(caught.value) is SystemExit) == (status in (None, 0))
+    shutdown()
+
+
+_EXIT_SCRIPT = """
+import atexit, os, sys
+from jaxdist.cluster_resolver import _fail_fast
+_fail_fast.install(os._exit)
+atexit.register(lambda: print("ATEXIT", flush=True))  # where jax.distributed's barrier runs
+try:
+    sys.exit(4)
+except SystemExit as e:
+    print("CAUGHT", e.code, flush=True)
+def main():
+    {ending}
+main()
+"""
+
+
+@pytest.mark.parametrize(
+    ("ending", "code", "stderr", "at_exit"),
+    [
+        ("sys.exit(3)", 3, "", False),  # at once, before the exit handlers
+        ("sys.exit('bad input')", 1, "bad input\n", False),
+        ("sys.exit(0)", 0, "", True),  # success: the normal exit
+        ("pass", 0, "", True),
+        ("raise SystemExit(5)", 5, "", True),  # Python's own class: the normal exit
+    ],
+)
+def test_failing_sys_exit_ends_the_process_before_the_exit_handlers(
+    ending: str, code: int, stderr: str, at_exit: bool, tmp_path: Path
+) -> None:
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    script = tmp_path / "script.py"
+    script.write_text(_EXIT_SCRIPT.replace("{ending}", ending))
+    (tmp_path / "mod.py").write_text(script.read_text())
+    # As a script, and as a module (python -m: the exception leaves through runpy's frames).
+    for how, cwd in ([str(script)], None), (["-m", "mod"], tmp_path):
+        proc = subprocess.run(
+            [sys.executable, *how], env=env, cwd=cwd, capture_output=True, text=True, timeout=60
+        )
+        assert proc.returncode == code, proc.stderr
+        assert proc.stdout == "CAUGHT 4\n" + ("ATEXIT\n" if at_exit else ""), proc.stdout
+        assert proc.stderr == stderr
 
 
 def test_initialize_passes_only_what_jax_accepts() -> None:

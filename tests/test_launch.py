@@ -99,6 +99,8 @@ class Launcher:
         if module:
             kw.setdefault("cwd", ROOT)
         cmd = [sys.executable, *entry, *map(str, args)]
+        env = dict(os.environ if env is None else env)  # this checkout's jaxdist, not an install
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
         self.proc = subprocess.Popen(
             cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, **kw
         )
@@ -840,6 +842,7 @@ def test_jax_distributed_psum_across_two_processes(launcher: type[Launcher]) -> 
 def _training_env() -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("JAXDIST_", "JAX_", "XLA_"))}
     env["JAXDIST_HEARTBEAT_TIMEOUT"] = "10"  # the fallback if the launcher could not stop them
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     return env
 
 
@@ -902,4 +905,29 @@ def test_mwms_job_that_fails_once_completes_after_a_restart(launcher: type[Launc
     for _, restart, w in done:
         assert restart == "1"
         np.testing.assert_allclose(float(w), _expected_w(steps), rtol=1e-5)
+    assert _wait_dead(job.job_pids(), 5) == []
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(150)
+def test_mwms_job_with_a_failing_sys_exit_ends_at_once(launcher: type[Launcher]) -> None:
+    job = launcher(
+        "--nprocs", "2", "--devices-per-proc", "4", "--kill-timeout", "5",
+        TRAINING, "1000000", "--exit-first-start",
+        env=_training_env(), module=True,
+    )  # fmt: skip
+    exiting = job.wait_for(r"^\[1\] EXITING \S+$", timeout=120)[0]
+    rc, out, err = job.finish(timeout=60)
+    elapsed = time.time() - float(exiting.split()[-1])
+    # Process 1 exits with 3 at once (not in jax.distributed's shutdown barrier, where it
+    # used to wait 300 s for process 0 until the coordinator aborted that one, code 134);
+    # process 0, blocked in a collective, is stopped by the launcher.
+    print(f"the job ended {elapsed:.1f} s after sys.exit(3)")
+    assert elapsed < 30, (elapsed, err[-3000:])
+    assert rc == 3, err[-3000:]
+    assert (
+        "jaxdist.launch: process 1 exited with code 3 (first failure); "
+        "stopped the other 1 process.\n"
+    ) in err
+    assert "DONE" not in out
     assert _wait_dead(job.job_pids(), 5) == []

@@ -55,6 +55,8 @@ wl = _load_workload()
 def _env(devices: int, process: int | None, processes: int, port: int) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("JAXDIST_", "JAX_", "XLA_"))}
     env.update({"JAX_PLATFORMS": "cpu", "JAX_NUM_CPU_DEVICES": str(devices)})
+    repo = str(Path(__file__).resolve().parents[1])  # this checkout's jaxdist, not an install
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [repo, env.get("PYTHONPATH")]))
     if process is not None:
         env.update(
             {
@@ -272,9 +274,18 @@ def test_checkpoint_restores_in_the_same_and_in_another_layout(results) -> None:
         (1, "exit", None, HEARTBEAT + 15, -signal.SIGABRT, "stopped sending heartbeats"),
         # Process 0 hosts the coordination service: the others lose it at once.
         (0, "exit", None, 10, -signal.SIGABRT, "the JAX distributed service detected fatal"),
-        # A live, stuck process keeps its heartbeat: the collective timeout ends the wait (the
-        # first of this process's gloo ranks to time out may close a pair another one reads).
-        (1, "stall", 5, 5 + 15, 1, r"Gloo all-reduce failed: .*(Timed out waiting 5000ms|closed)"),
+        # A live, stuck process keeps its heartbeat: the watchdog of timeout_seconds ends the
+        # wait, naming the step and the process that did not arrive (tests/test_watchdog.py).
+        (
+            1,
+            "stall",
+            5,
+            5 + 15,
+            1,
+            r"jaxdist: MultiWorkerMirroredStrategy: step 20 did not complete within 5 s "
+            r"\(CommunicationOptions\(timeout_seconds=5\)\): process 1 \(its last step: 19\) "
+            r"did not arrive; ending process 0 with exit code 1\.",
+        ),
     ],
     ids=["worker-dies", "coordinator-dies", "worker-hangs-timeout"],
 )
@@ -331,28 +342,29 @@ def test_timeout_seconds_sets_the_cpu_collective_timeout(xla_flags: pytest.Monke
     for nothing in (None, 0, 0.0):
         multi_worker._set_collective_timeout(nothing, "where")
         assert "XLA_FLAGS" not in os.environ
-    multi_worker._set_collective_timeout(7.2, "where")  # whole seconds, rounded up
-    assert os.environ["XLA_FLAGS"] == "--xla_cpu_collective_timeout_seconds=8"
+    # Whole seconds, rounded up, plus 10: a backstop behind the watchdog.
+    multi_worker._set_collective_timeout(7.2, "where")
+    assert os.environ["XLA_FLAGS"] == "--xla_cpu_collective_timeout_seconds=18"
     xla_flags.setenv(
         "XLA_FLAGS", "--xla_cpu_use_xnnpack=false --xla_cpu_collective_timeout_seconds=99"
     )
     multi_worker._set_collective_timeout(0.2, "where")  # replaces the value, keeps the rest
     assert os.environ["XLA_FLAGS"] == (
-        "--xla_cpu_use_xnnpack=false --xla_cpu_collective_timeout_seconds=1"
+        "--xla_cpu_use_xnnpack=false --xla_cpu_collective_timeout_seconds=11"
     )
 
 
 def test_timeout_seconds_after_the_backend_started(xla_flags: pytest.MonkeyPatch) -> None:
     _backend(xla_flags, started=True)
     xla_flags.setenv("XLA_FLAGS", "--xla_cpu_collective_timeout_seconds=30")
-    multi_worker._set_collective_timeout(30, "MultiWorkerMirroredStrategy")  # the same: fine
+    multi_worker._set_collective_timeout(20, "MultiWorkerMirroredStrategy")  # the same: fine
     with pytest.raises(
         RuntimeError,
-        match=r"MultiWorkerMirroredStrategy: CommunicationOptions\(timeout_seconds=10\) becomes "
-        r"XLA's CPU collective timeout \(--xla_cpu_collective_timeout_seconds\), which is read "
-        r"once, when JAX's backend starts; it has started with 30 s\. Create the strategy "
-        r"before anything touches devices .* or start the program with "
-        r"XLA_FLAGS='--xla_cpu_collective_timeout_seconds=10'",
+        match=r"MultiWorkerMirroredStrategy: CommunicationOptions\(timeout_seconds=10\) sets "
+        r"XLA's CPU collective timeout \(--xla_cpu_collective_timeout_seconds\) to 20 s, which "
+        r"is read once, when JAX's backend starts; it has started with 30 s\. Create the "
+        r"strategy before anything touches devices .* or start the program with "
+        r"XLA_FLAGS='--xla_cpu_collective_timeout_seconds=20'",
     ):
         multi_worker._set_collective_timeout(10, "MultiWorkerMirroredStrategy")
     xla_flags.delenv("XLA_FLAGS")

@@ -12,7 +12,15 @@ argument                         environment variable                default
 ===============================  ==================================  =======
 
 ``initialization_timeout`` bounds how long a process waits for all the others
-to connect. ``heartbeat_timeout_seconds`` is how long a process may go silent
+to connect. While it waits, each process prints every 30 s
+(``JAXDIST_STARTUP_REPORT_INTERVAL``) "waiting for k of n processes to connect
+to ADDRESS (missing: process ...)", and on timeout `initialize` raises
+`RuntimeError` naming the missing process ids and the address (a rendezvous
+of jaxdist's own on the coordinator's port, before `jax.distributed` starts
+there; ``JAXDIST_STARTUP_REPORT_INTERVAL=0`` leaves start-up to JAX alone,
+which waits silently and then aborts every process).
+
+``heartbeat_timeout_seconds`` is how long a process may go silent
 before the coordination service declares it dead and terminates every other
 process: measured on localhost (2 CPU processes, one killed with SIGKILL),
 the survivor stopped 19.7 s after its peer died with 20 s, and 10.0 s with
@@ -22,22 +30,22 @@ job hanging for minutes. ``shutdown_timeout_seconds`` bounds the wait for the
 other processes at exit (JAX's default: a chief still writing a checkpoint
 must not make the workers fail).
 
-An uncaught exception in a process of a multi-process job ends that process
-at once (exit code 1, after the traceback) instead of in the shutdown barrier
-at exit, where it would wait for peers blocked in a collective that waits for
-it; the launcher (or the heartbeat) then stops the others. Set
-``JAXDIST_EXIT_ON_ERROR=0`` to keep Python's normal exit. ``sys.exit(code)``
-is a normal exit and goes through the barrier: to fail a multi-process job
-from code, raise an exception.
+A process of a multi-process job that fails ends at once, with its own exit
+code, instead of in the shutdown barrier at exit, where it would wait for
+peers blocked in a collective that waits for it: an uncaught exception (exit
+code 1 after the traceback; 130 for ``KeyboardInterrupt``), and
+``sys.exit(code)`` with a failing code (that code; a message: 1). The
+launcher (or the heartbeat) then stops the others and names this process.
+A successful exit (``sys.exit(0)``, the end of the script) still waits for
+the others at the barrier. Set ``JAXDIST_EXIT_ON_ERROR=0`` to keep Python's
+normal exit. Details in `jaxdist.cluster_resolver._fail_fast`.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import inspect
 import os
-import sys
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -46,6 +54,7 @@ import jax
 
 from jaxdist._jax_compat import backends_initialized as _backends_initialized
 from jaxdist._jax_compat import distributed_cluster
+from jaxdist.cluster_resolver import _fail_fast, _rendezvous
 from jaxdist.cluster_resolver.base import COLLECTIVE_JOBS, ClusterResolver
 from jaxdist.cluster_resolver.default import resolve_default
 
@@ -77,6 +86,10 @@ def _distributed_initialize(**kwargs: Any) -> None:
 
 def _distributed_shutdown() -> None:
     jax.distributed.shutdown()
+
+
+def _check_in(**kwargs: Any) -> None:
+    _rendezvous.rendezvous(**kwargs)
 
 
 def _external_cluster() -> tuple[str | None, int, int] | None:
@@ -120,6 +133,24 @@ def _timeout(value: int | None, env: str, default: int, argument: str) -> int:
         raise ValueError(
             f"jaxdist.initialize(): {source} must be a positive whole number of seconds, got "
             f"{value!r}."
+        )
+    return value
+
+
+def _report_interval() -> float:
+    """Seconds between start-up reports (0: no rendezvous), from the environment."""
+    env = _rendezvous.ENV_REPORT_INTERVAL
+    raw = os.environ.get(env, "").strip()
+    if not raw:
+        return _rendezvous.DEFAULT_REPORT_INTERVAL
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not value >= 0 or value == float("inf"):
+        raise ValueError(
+            f"jaxdist.initialize(): the environment variable {env} must be a number of seconds "
+            f">= 0 (0 turns the start-up rendezvous off), got {raw!r}."
         )
     return value
 
@@ -257,6 +288,15 @@ def initialize(
                 "Call jaxdist.initialize() (or create the MultiWorkerMirroredStrategy) at the "
                 "start of the program, before anything touches devices."
             )
+        interval = _report_interval()
+        if interval:
+            _check_in(
+                address=cluster[0],
+                num_processes=cluster[1],
+                process_id=cluster[2],
+                timeout=timeouts["initialization_timeout"],
+                report_interval=interval,
+            )
         call = {**kwargs, **timeouts, "cluster_detection_method": "deactivate"}
         _distributed_initialize(**_supported(jax.distributed.initialize, call))
         _started = _Started(cluster, source, ours=True)
@@ -266,24 +306,8 @@ def initialize(
 
 
 def _exit_on_uncaught_exception() -> None:
-    """Makes an uncaught exception end this process at once, after its traceback.
-
-    Otherwise the interpreter's exit runs `jax.distributed`'s shutdown, a barrier
-    that waits (up to ``shutdown_timeout_seconds``) for the other processes,
-    which may themselves be blocked in a collective waiting for this one: the
-    whole job would hang for minutes instead of failing. Exit code 1 (130 for
-    KeyboardInterrupt), as Python's own.
-    """
-    previous = sys.excepthook
-
-    def hook(exc_type: type[BaseException], exc: BaseException, tb: Any) -> None:
-        previous(exc_type, exc, tb)
-        for stream in (sys.stdout, sys.stderr):
-            with contextlib.suppress(Exception):
-                stream.flush()
-        os._exit(130 if issubclass(exc_type, KeyboardInterrupt) else 1)
-
-    sys.excepthook = hook
+    """Makes a failing process end at once with its own code (see `_fail_fast`)."""
+    _fail_fast.install(lambda code: os._exit(code))
 
 
 def is_initialized() -> bool:
@@ -309,3 +333,4 @@ def shutdown() -> None:
         if _started is not None and _started.ours:
             _distributed_shutdown()
         _started = None
+        _fail_fast.uninstall()

@@ -15,9 +15,11 @@ gloo collectives, the survivor waiting in an all-reduce):
 ======================================  ==================================================
 what happens                            what the other processes do
 ======================================  ==================================================
-start-up: a process never connects      `jaxdist.initialize` raises after
-                                        ``initialization_timeout`` (300 s;
-                                        ``JAXDIST_INITIALIZATION_TIMEOUT``)
+start-up: a process never connects      each process prints "waiting for k of n
+                                        processes to connect to ADDRESS (missing: ...)"
+                                        every 30 s; `jaxdist.initialize` raises, naming
+                                        the missing ids, after ``initialization_timeout``
+                                        (300 s; ``JAXDIST_INITIALIZATION_TIMEOUT``)
 a worker process dies (crash, OOM,      JAX's coordination service misses its heartbeats
 SIGKILL)                                and, ``heartbeat_timeout_seconds`` later (jaxdist:
                                         20 s, ``JAXDIST_HEARTBEAT_TIMEOUT``; JAX's own:
@@ -28,26 +30,36 @@ SIGKILL)                                and, ``heartbeat_timeout_seconds`` later
                                         1"). Measured: 20.5 s with 20 s, 10.7 s with 10 s
 process 0 dies (it hosts the            the others end at once (measured: 0.1 s): their
 coordination service)                   connection to the service breaks
-an uncaught exception in a process      that process exits at once, code 1 (see
-                                        `jaxdist.initialize`); the others as for a dead
-                                        process
+an uncaught exception in a process, or  that process exits at once, code 1 (the code
+``sys.exit(code)`` with a failing code  given to ``sys.exit``; see `jaxdist.initialize`);
+                                        the others as for a dead process (under the
+                                        launcher: measured 5.2 s, ``--kill-timeout``)
 a process is alive but stuck (a hang,   its heartbeat goes on, so the others wait in their
-a skipped step, a long pause)           collective: on CPU up to XLA's collective timeout,
-                                        30 min by default
+a skipped step, a long pause)           collective: with ``timeout_seconds`` (below) the
+                                        watchdog ends them after that time, naming the
+                                        step and the stuck process (measured: 10.7 s
+                                        with T = 10, 2 processes through the launcher);
+                                        without it, on CPU up to XLA's collective
+                                        timeout, 30 min by default
 ======================================  ==================================================
 
-``CommunicationOptions(timeout_seconds=T)`` bounds every wait in a
-collective, stuck or dead peer alike: after ``T`` seconds the collective
-raises ``JaxRuntimeError`` ("Gloo all-reduce failed ... Timed out waiting
-T000ms for recv operation") and the process exits with code 1 (measured:
-5.1 s with T = 5, 8.1 s with T = 8). It is enforced on the CPU backend
-(XLA's ``--xla_cpu_collective_timeout_seconds``, a process-wide flag read
-when JAX's backend starts, so the strategy sets it as it starts
-`jax.distributed`); on GPU and TPU it is carried but not enforced, and the
-heartbeat still catches a dead process. As in TF it is a debugging aid: it
-must exceed the longest legitimate wait in a collective, such as the first
-step, where the processes wait for each other's compilation. ``None`` or
-``0`` keeps XLA's default.
+``CommunicationOptions(timeout_seconds=T)`` (or the launcher's
+``--collective-timeout T``, ``JAXDIST_COLLECTIVE_TIMEOUT``, for strategies
+whose options give none) starts a watchdog in every process of a
+multi-process job (`jaxdist.strategies._watchdog`): the strategy counts its
+steps (every ``run`` / ``function`` call), each process publishes its count
+in `jax.distributed`'s key-value store, and when a step has been in flight
+for ``T`` seconds without completing, the process prints one line, e.g.
+"jaxdist: MultiWorkerMirroredStrategy: step 20 did not complete within 10 s
+(CommunicationOptions(timeout_seconds=10)): process 1 (its last step: 19)
+did not arrive; ending process 0 with exit code 1.", and exits with code 1;
+the launcher (or the heartbeat) ends the others. A stall shorter than ``T``
+passes, and compiling a step does not count, but waiting for a peer that is
+still compiling does. As in TF it must exceed the longest legitimate step.
+On CPU, XLA's collective timeout (``--xla_cpu_collective_timeout_seconds``,
+a process-wide flag read when JAX's backend starts, so the strategy sets it
+as it starts `jax.distributed`) is set to ``T + 10`` s as a backstop.
+``None`` or ``0`` means no watchdog and XLA's default.
 
 SIGTERM does not stop a process of a `jax.distributed` job: JAX's
 preemption service takes it as a preemption notice
@@ -67,12 +79,15 @@ from __future__ import annotations
 import math
 import os
 import re
+from collections.abc import Callable
 from typing import Any
 
 import jax
 
-from jaxdist._jax_compat import CPU_COLLECTIVE_TIMEOUT_FLAG
+from jaxdist import _launch_config
+from jaxdist._jax_compat import CPU_COLLECTIVE_TIMEOUT_FLAG, distributed_client
 from jaxdist.reduce import CrossDeviceOps
+from jaxdist.strategies._watchdog import Watchdog
 from jaxdist.strategy import Strategy
 
 __all__ = ["MultiWorkerMirroredStrategy"]
@@ -80,6 +95,28 @@ __all__ = ["MultiWorkerMirroredStrategy"]
 AXES = ("host", "local")
 _CPU_TIMEOUT_FLAG = CPU_COLLECTIVE_TIMEOUT_FLAG
 _FLAG_PATTERN = re.compile(rf"(?:^|\s){re.escape(_CPU_TIMEOUT_FLAG)}=(\S*)")
+
+
+ENV_COLLECTIVE_TIMEOUT = _launch_config.ENV_COLLECTIVE_TIMEOUT  # --collective-timeout
+_XLA_BACKSTOP = 10  # XLA's CPU collective timeout is the watchdog's plus this
+
+
+def _default_timeout(where: str) -> float | None:
+    """``timeout_seconds`` when the options give none: ``JAXDIST_COLLECTIVE_TIMEOUT``."""
+    raw = os.environ.get(ENV_COLLECTIVE_TIMEOUT, "").strip()
+    if not raw:
+        return None
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not 0 <= value < math.inf:
+        raise ValueError(
+            f"{where}: the environment variable {ENV_COLLECTIVE_TIMEOUT} (the launcher's "
+            f"--collective-timeout) must be a number of seconds >= 0 (0: no timeout), got "
+            f"{raw!r}."
+        )
+    return value or None
 
 
 def _flag_value(xla_flags: str) -> str | None:
@@ -95,7 +132,8 @@ def _with_flag(xla_flags: str, seconds: int) -> str:
 
 
 def _set_collective_timeout(timeout_seconds: float | None, where: str) -> None:
-    """Makes XLA's CPU collectives fail after ``timeout_seconds``.
+    """Makes XLA's CPU collectives fail ``_XLA_BACKSTOP`` seconds after the watchdog's
+    ``timeout_seconds`` (a backstop: the watchdog's line comes first).
 
     The limit is a process-wide XLA flag read when JAX's backend starts, so it
     is set in ``XLA_FLAGS`` before that; ``None`` or ``0`` leaves XLA's default.
@@ -108,7 +146,7 @@ def _set_collective_timeout(timeout_seconds: float | None, where: str) -> None:
 
     if not timeout_seconds:
         return
-    seconds = max(1, math.ceil(timeout_seconds))
+    seconds = math.ceil(timeout_seconds) + _XLA_BACKSTOP
     flags = os.environ.get("XLA_FLAGS", "")
     if _flag_value(flags) == str(seconds):
         return
@@ -116,8 +154,8 @@ def _set_collective_timeout(timeout_seconds: float | None, where: str) -> None:
         current = _flag_value(flags)
         now = "XLA's default (1800 s)" if current is None else f"{current} s"
         raise RuntimeError(
-            f"{where}: CommunicationOptions(timeout_seconds={timeout_seconds!r}) becomes XLA's "
-            f"CPU collective timeout ({_CPU_TIMEOUT_FLAG}), which is read once, "
+            f"{where}: CommunicationOptions(timeout_seconds={timeout_seconds!r}) sets XLA's "
+            f"CPU collective timeout ({_CPU_TIMEOUT_FLAG}) to {seconds} s, which is read once, "
             f"when JAX's backend starts; it has started with {now}. Create the strategy "
             "before anything touches devices (jax.devices(), an array, a computation), or "
             f"start the program with XLA_FLAGS='{_CPU_TIMEOUT_FLAG}={seconds}'."
@@ -177,9 +215,10 @@ class MultiWorkerMirroredStrategy(Strategy):
         True
     """
 
-    __slots__ = ("_cluster_resolver", "_communication_options")
+    __slots__ = ("_cluster_resolver", "_communication_options", "_watchdog")
     _cluster_resolver: Any
     _communication_options: Any
+    _watchdog: Watchdog | None
 
     def __init__(self, cluster_resolver: Any = None, communication_options: Any = None) -> None:
         from jaxdist.cluster_resolver import ClusterResolver, initialize, resolve_default
@@ -202,15 +241,29 @@ class MultiWorkerMirroredStrategy(Strategy):
                 f"CommunicationOptions, got {type(communication_options).__name__}."
             )
         resolver = cluster_resolver if cluster_resolver is not None else resolve_default()
+        timeout = communication_options.timeout_seconds or _default_timeout(where)
+        multi_process = resolver is not None and _multi_process_kwargs(resolver) is not None
         if resolver is not None:
-            if _multi_process_kwargs(resolver) is not None:  # cross-process collectives
-                _set_collective_timeout(communication_options.timeout_seconds, where)
+            if multi_process and timeout:  # cross-process collectives
+                _set_collective_timeout(timeout, where)
             initialize(resolver)
         devices, processes, local = _grid()
         ops: CrossDeviceOps = cross_device_ops_for(communication_options, AXES)
+        watchdog = None
+        client = distributed_client() if multi_process and timeout else None
+        if client is not None and timeout:
+            watchdog = Watchdog(timeout, client, jax.process_index(), jax.process_count())
+        object.__setattr__(self, "_watchdog", watchdog)
         object.__setattr__(self, "_cluster_resolver", resolver)
         object.__setattr__(self, "_communication_options", communication_options)
         super().__init__(devices, ops, mesh_shape=(processes, local), axis_names=AXES)
+
+    def _caller(
+        self, call: Callable[[tuple[Any, ...], dict[str, Any]], Any]
+    ) -> Callable[[tuple[Any, ...], dict[str, Any]], Any]:
+        """The base per-call path; with a watchdog, each call counts as a step it watches."""
+        caller = super()._caller(call)
+        return caller if self._watchdog is None else self._watchdog.wrap(caller)
 
     def _extra_key(self) -> tuple[Any, ...]:
         return (self._communication_options,)

@@ -38,6 +38,7 @@ from jaxdist._strategy_checks import (
 )
 from jaxdist.data import NumpyRows
 from jaxdist.extended import StrategyExtended
+from jaxdist.input.distribute import distribute_dataset, distribute_from_function
 from jaxdist.options import RunOptions
 from jaxdist.reduce import CrossDeviceOps, NcclAllReduce, ReduceOp
 from jaxdist.values import DistributedValues, PerReplica, ValueContext
@@ -547,8 +548,6 @@ class Strategy:
         Returns:
             A re-iterable `DistributedDataset`.
         """
-        from jaxdist.input.distribute import distribute_dataset
-
         return distribute_dataset(self, dataset, options)
 
     def distribute_datasets_from_function(
@@ -567,8 +566,6 @@ class Strategy:
             >>> [b.array.shape for b in s.distribute_datasets_from_function(dataset_fn)]
             [(1, 4), (1, 4)]
         """
-        from jaxdist.input.distribute import distribute_from_function
-
         return distribute_from_function(self, dataset_fn, options)
 
     def experimental_distribute_datasets_from_function(

@@ -65,3 +65,30 @@ def test_the_type_checking_block_spells_out_the_table() -> None:
     submodules = {n for n, m in seen.items() if m == "jaxdist"}
     assert submodules == set(jd._SUBMODULES)
     assert {n: m for n, m in seen.items() if m != "jaxdist"} == jd._PUBLIC
+
+
+def test_jaxdist_imports_are_at_module_level() -> None:
+    """Imports run one way by layer (the import-linter contract), so no module needs an
+    import of jaxdist inside a function or under TYPE_CHECKING; only the package face's
+    TYPE_CHECKING table may have one."""
+    import ast
+    import pathlib
+
+    root = pathlib.Path(jd.__file__).parent
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        if path == root / "__init__.py":
+            continue
+        tree = ast.parse(path.read_text())
+        top = set(map(id, tree.body))
+        for node in ast.walk(tree):
+            if id(node) in top or not isinstance(node, (ast.Import, ast.ImportFrom)):
+                continue
+            names = (
+                [node.module or ""]
+                if isinstance(node, ast.ImportFrom)
+                else [a.name for a in node.names]
+            )
+            if any(n == "jaxdist" or n.startswith("jaxdist.") for n in names):
+                found.append(f"{path.relative_to(root.parent)}:{node.lineno}")
+    assert not found, found

@@ -70,16 +70,13 @@ import itertools
 import threading
 import time
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
 
 import jax
 
 from jaxdist._jax_compat import distributed_client as _client
 from jaxdist._jax_compat import is_deadline_exceeded
 from jaxdist._protocols import StrategyLike
-
-if TYPE_CHECKING:
-    from jaxdist.input.batching import Batcher, HostBatch, Layout
+from jaxdist.input.batching import Batcher, HostBatch, Layout
 
 __all__ = ["BLOCK", "EpochAgreement", "StepSync", "agreed", "step_sync"]
 

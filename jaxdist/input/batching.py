@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import jax
 import numpy as np
@@ -24,12 +24,9 @@ import numpy as np
 from jaxdist._dtypes import numeric
 from jaxdist._jax_compat import place_host_arrays
 from jaxdist._protocols import StrategyLike
-from jaxdist.input.options import AutoShardPolicy
+from jaxdist.input.options import AutoShardPolicy, InputOptions
 from jaxdist.values import DistributedValues, PerReplica
 from jaxdist.values import _unflatten_per_replica as _per_replica
-
-if TYPE_CHECKING:
-    from jaxdist.input.options import InputOptions
 
 HostBatch = tuple[list[np.ndarray], np.ndarray]
 

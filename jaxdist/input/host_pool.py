@@ -23,12 +23,11 @@ from __future__ import annotations
 
 import ctypes
 import sys
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
-if TYPE_CHECKING:
-    from jaxdist.input.batching import HostBatch
+from jaxdist.input.batching import HostBatch
 
 # XLA's CPU runtime wraps host memory aligned to this many bytes without copying it.
 ALIGNMENT = 64

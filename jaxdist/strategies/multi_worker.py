@@ -86,7 +86,10 @@ import jax
 
 from jaxdist import _launch_config
 from jaxdist._jax_compat import CPU_COLLECTIVE_TIMEOUT_FLAG, distributed_client
-from jaxdist.reduce import CrossDeviceOps
+from jaxdist.cluster_resolver import ClusterResolver, initialize, resolve_default
+from jaxdist.cluster_resolver.initialize import _backends_initialized, _multi_process_kwargs
+from jaxdist.communication import CommunicationOptions
+from jaxdist.reduce import CrossDeviceOps, cross_device_ops_for
 from jaxdist.strategies._watchdog import Watchdog
 from jaxdist.strategy import Strategy
 
@@ -142,8 +145,6 @@ def _set_collective_timeout(timeout_seconds: float | None, where: str) -> None:
     Raises:
         RuntimeError: JAX's backend already started with another limit.
     """
-    from jaxdist.cluster_resolver.initialize import _backends_initialized
-
     if not timeout_seconds:
         return
     seconds = math.ceil(timeout_seconds) + _XLA_BACKSTOP
@@ -221,11 +222,6 @@ class MultiWorkerMirroredStrategy(Strategy):
     _watchdog: Watchdog | None
 
     def __init__(self, cluster_resolver: Any = None, communication_options: Any = None) -> None:
-        from jaxdist.cluster_resolver import ClusterResolver, initialize, resolve_default
-        from jaxdist.cluster_resolver.initialize import _multi_process_kwargs
-        from jaxdist.communication import CommunicationOptions
-        from jaxdist.reduce import cross_device_ops_for
-
         where = "MultiWorkerMirroredStrategy"
         if cluster_resolver is not None and not isinstance(cluster_resolver, ClusterResolver):
             raise TypeError(

@@ -29,6 +29,7 @@ from jax.sharding import AxisType, Mesh
 from jax.sharding import PartitionSpec as P
 
 from jaxdist._scope import current_replica_context
+from jaxdist.cluster_resolver import ClusterResolver, initialize
 from jaxdist.extended import StrategyExtended
 from jaxdist.strategy import Strategy
 
@@ -72,8 +73,6 @@ def _device_grid(device_assignment: Any, where: str) -> np.ndarray:
 def _check_resolver(cluster_resolver: Any, where: str) -> Any:
     if cluster_resolver is None:
         return None
-    from jaxdist.cluster_resolver import ClusterResolver, initialize
-
     if not isinstance(cluster_resolver, ClusterResolver):
         raise TypeError(
             f"{where}(cluster_resolver=...): expected a jaxdist.cluster_resolver."

@@ -32,6 +32,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/input_pipeline.py
 	$(PY) benchmarks/digits.py
 	$(PY) benchmarks/multi_process.py
+	$(PY) benchmarks/checkpoint.py
 
 clean:
 	rm -rf .venv .venv313 .pytest_cache .ruff_cache *.egg-info

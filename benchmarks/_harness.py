@@ -33,7 +33,7 @@ def seconds_per_call(fn: Callable[[], object], calls: int) -> float:
 
 
 def sample(
-    candidates: dict[str, Callable[[], object]], *, calls: int, rounds: int = 7
+    candidates: dict[str, Callable[[], object]], *, calls: int, rounds: int = 7, warmup: int = 3
 ) -> dict[str, list[float]]:
     """Seconds per call of each candidate in every round.
 
@@ -41,7 +41,7 @@ def sample(
     neither drift of the machine nor a candidate's position in the round favours one.
     """
     for fn in candidates.values():  # compile and warm up
-        for _ in range(3):
+        for _ in range(warmup):
             fn()
     order = random.Random(0)
     samples: dict[str, list[float]] = {k: [] for k in candidates}

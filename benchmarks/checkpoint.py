@@ -21,12 +21,9 @@ from __future__ import annotations
 import argparse
 import hashlib
 import os
-import random
 import shutil
 import statistics
 import tempfile
-import time
-from collections.abc import Callable
 
 import _harness
 import jax
@@ -54,12 +51,6 @@ def disk_bytes(path: str) -> int:
     return sum(
         os.path.getsize(os.path.join(here, f)) for here, _, files in os.walk(path) for f in files
     )
-
-
-def timed(fn: Callable[[], object]) -> float:
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
 
 
 def main(megabytes: int, devices: int, rounds: int) -> None:
@@ -101,24 +92,19 @@ def main(megabytes: int, devices: int, rounds: int) -> None:
             "orbax restore": orbax_restore,
             "jaxdist restore": jaxdist_restore,
         }
-        for fn in candidates.values():  # warm up (and create both directories)
-            fn()
-        order = random.Random(0)
-        samples: dict[str, list[float]] = {k: [] for k in candidates}
-        names = list(candidates)
-        for _ in range(rounds):
-            order.shuffle(names)
-            for name in names:
-                samples[name].append(timed(candidates[name]))
+        # One warm-up call each (it also creates both directories).
+        samples = _harness.sample(candidates, calls=1, rounds=rounds, warmup=1)
         times = {k: statistics.median(v) for k, v in samples.items()}
         on_disk = {
             "orbax": disk_bytes(os.path.join(root, "orbax", str(last[0]))),
             "jaxdist": disk_bytes(ours.latest_checkpoint or ""),
         }
         # jaxdist's own work, alone, on the same arrays.
-        host = timed(lambda: [np.asarray(x) for x in state.values()])
+        host = _harness.seconds_per_call(lambda: [np.asarray(x) for x in state.values()], 1)
         arrays = [np.asarray(x) for x in state.values()]
-        digest = timed(lambda: [hashlib.sha256(a.tobytes()).hexdigest() for a in arrays])
+        digest = _harness.seconds_per_call(
+            lambda: [hashlib.sha256(a.tobytes()).hexdigest() for a in arrays], 1
+        )
         theirs.close()
     finally:
         shutil.rmtree(root, ignore_errors=True)

@@ -80,7 +80,7 @@ class Program:
     def lower(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> LoweredStep:
         if self.call is self.jitted:
             return LoweredStep(self.jitted.lower(args, kwargs))
-        return LoweredStep(self.jitted.lower(*_counts_apart(args, kwargs)))
+        return LoweredStep(self.jitted.lower(*_counts_apart(args, kwargs)[:3]))
 
 
 # Donation -----------------------------------------------------------------------
@@ -95,19 +95,25 @@ def _is_per_replica(x: Any) -> bool:
     return type(x) is PerReplica
 
 
-def _counts_apart(args: Any, kwargs: Any) -> tuple[Any, Any, list[Any]]:
-    """``args`` and ``kwargs`` with the valid counts of every `PerReplica` taken out, and
-    those counts (None where it has none) in order."""
+def _counts_apart(args: Any, kwargs: Any) -> tuple[Any, Any, list[Any], bool]:
+    """``args`` and ``kwargs`` with the valid counts of every `PerReplica` taken out,
+    those counts (None where it has none) in order, and whether any array among them was
+    deleted (donated to an earlier call), found in the same walk."""
     counts: list[Any] = []
+    deleted = [False]
 
     def take(x: Any) -> Any:
         if type(x) is PerReplica:
             counts.append(x.valid)
-            return _per_replica(None, (x.array, None))
+            x = _per_replica(None, (x.array, None))
+            if type(x.array) is _ARRAY and x.array.is_deleted():
+                deleted[0] = True
+        elif type(x) is _ARRAY and x.is_deleted():
+            deleted[0] = True
         return x
 
     args, kwargs = jax.tree.map(take, (args, kwargs), is_leaf=_is_per_replica)
-    return args, kwargs, counts
+    return args, kwargs, counts, deleted[0]
 
 
 def _with_counts(program: Callable[[Any, Any], Any]) -> Callable[[Any, Any, list[Any]], Any]:
@@ -127,10 +133,10 @@ def _with_counts(program: Callable[[Any, Any], Any]) -> Callable[[Any, Any, list
 
 def _donating(jitted: Callable[..., Any], where: str) -> Callable[[Any, Any], Any]:
     def call(args: Any, kwargs: Any) -> Any:
-        args, kwargs, counts = _counts_apart(args, kwargs)
+        args, kwargs, counts, deleted = _counts_apart(args, kwargs)
         # A buffer donated by an earlier call and passed again crashes XLA's CPU runtime
         # (segmentation fault with jax 0.10): refuse it first.
-        if any(type(x) is _ARRAY and x.is_deleted() for x in jax.tree.leaves((args, kwargs))):
+        if deleted:
             raise _donated_error(where, args, kwargs)
         return jitted(args, kwargs, counts)
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -12,7 +13,11 @@ from typing import Any
 
 import jax
 import numpy as np
+import optax
 import pytest
+from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import jaxdist as jd
 
@@ -134,3 +139,58 @@ def run_python(code: str, *args: str, timeout: float = 200, devices: int = 8) ->
 # of a deliberately damaged checkpoint fails (seen once in about ten runs on jax 0.12):
 # not jaxdist's error, and not what the tests marked with this check.
 ORBAX_CLOSED_LOOP = pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+
+
+# The start of the script each process of a 2 x 4-device localhost job runs (argv: the
+# process id, the coordinator port, then the test's own arguments).
+WORKER_PREAMBLE = """import json, os, sys
+import jax
+
+jax.config.update("jax_num_cpu_devices", 4)
+jax.distributed.initialize(
+    coordinator_address=f"127.0.0.1:{sys.argv[2]}", num_processes=2,
+    process_id=int(sys.argv[1]), initialization_timeout=60,
+)
+"""
+
+
+def all_reduce_count(hlo: str) -> int:
+    """All-reduces in compiled HLO (synchronous or started asynchronously)."""
+    return len(re.findall(r"\ball-reduce(-start)?\(", hlo))
+
+
+def hand_written_step_hlo(
+    strategy: jd.Strategy,
+    model: Any,
+    tx: Any,
+    per_example_loss: Any,
+    x: np.ndarray,
+    y: np.ndarray,
+    transform: Any = None,
+) -> str:
+    """Compiled HLO of the hand-written data-parallel step of ``model`` (an NNX module):
+    ``shard_map`` over ``strategy``'s mesh, per-replica gradients of this replica's share of
+    the mean loss, one ``psum``, then ``transform`` (e.g. clipping) and ``tx``'s update; the
+    baseline a `jd.train_step` is compared with."""
+    mesh, axis = strategy.mesh, strategy.axis_name
+    graphdef, params = nnx.split(model, nnx.Param)
+    opt_state = tx.init(params)
+    batch = x.shape[0]
+
+    def body(params: Any, opt_state: Any, x: Any, y: Any) -> Any:
+        pv = jax.lax.pcast(params, axis, to="varying")
+        loss, g = jax.value_and_grad(
+            lambda p: jax.numpy.sum(per_example_loss(nnx.merge(graphdef, p)(x), y)) / batch
+        )(pv)
+        g = jax.lax.psum(g, axis)
+        if transform is not None:
+            g = transform(g)
+        updates, opt_state = tx.update(g, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, jax.lax.psum(loss, axis)
+
+    hand = jax.jit(
+        jax.shard_map(body, mesh=mesh, in_specs=(P(), P(), P(axis), P(axis)), out_specs=P())
+    )
+    data = NamedSharding(mesh, P(axis))
+    lowered = hand.lower(params, opt_state, jax.device_put(x, data), jax.device_put(y, data))
+    return str(lowered.compile().as_text())

@@ -22,7 +22,7 @@ import pytest
 
 import jaxdist as jd
 
-from _helpers import ORBAX_CLOSED_LOOP, run_workers
+from _helpers import ORBAX_CLOSED_LOOP, WORKER_PREAMBLE, run_workers
 
 pytest.importorskip("orbax.checkpoint")
 
@@ -475,16 +475,8 @@ def test_shape_dtype_struct_templates(tmp_path: Path, mirrored8: jd.MirroredStra
         jd.checkpoint.restore(tmp_path / "c", {**template, "w": jax.ShapeDtypeStruct((2, 5), "f")})
 
 
-_TWO_PROCESSES = textwrap.dedent(
+_TWO_PROCESSES = WORKER_PREAMBLE + textwrap.dedent(
     """
-    import json, os, sys
-    import jax
-
-    jax.config.update("jax_num_cpu_devices", 4)
-    jax.distributed.initialize(
-        coordinator_address=f"127.0.0.1:{sys.argv[2]}", num_processes=2,
-        process_id=int(sys.argv[1]), initialization_timeout=60,
-    )
     import jax.numpy as jnp
     import numpy as np
     import jaxdist as jd

@@ -34,7 +34,7 @@ from flax import nnx
 
 import jaxdist as jd
 
-from _helpers import ORBAX_CLOSED_LOOP, REPO, strategy_params
+from _helpers import ORBAX_CLOSED_LOOP, REPO, WORKER_PREAMBLE, strategy_params
 
 pytest.importorskip("orbax.checkpoint")
 
@@ -638,16 +638,8 @@ def test_resume_argument_errors(tmp_path: Path) -> None:
 
 # Two processes ------------------------------------------------------------------------------
 
-_TWO_PROCESSES = textwrap.dedent(
+_TWO_PROCESSES = WORKER_PREAMBLE + textwrap.dedent(
     """
-    import json, sys
-    import jax
-
-    jax.config.update("jax_num_cpu_devices", 4)
-    jax.distributed.initialize(
-        coordinator_address=f"127.0.0.1:{sys.argv[2]}", num_processes=2,
-        process_id=int(sys.argv[1]), initialization_timeout=60,
-    )
     import jax.numpy as jnp, numpy as np, optax
     import jaxdist as jd
 

@@ -8,18 +8,10 @@ import textwrap
 import numpy as np
 import pytest
 
-from _helpers import run_workers
+from _helpers import WORKER_PREAMBLE, run_workers
 
-_WORKER = textwrap.dedent(
+_WORKER = WORKER_PREAMBLE + textwrap.dedent(
     """
-    import json, sys
-    import jax
-
-    jax.config.update("jax_num_cpu_devices", 4)
-    jax.distributed.initialize(
-        coordinator_address=f"127.0.0.1:{sys.argv[2]}", num_processes=2,
-        process_id=int(sys.argv[1]), initialization_timeout=60,
-    )
     import jax.numpy as jnp
     import numpy as np
     import jaxdist as jd

@@ -23,21 +23,14 @@ import pytest
 import jaxdist as jd
 from jaxdist.input import agreement
 
-from _helpers import run_workers
+from _helpers import WORKER_PREAMBLE, run_workers
 
 STEPS = (3, 5)  # steps of data in process 0's and process 1's sources
 ROWS = 2  # rows per replica per step; 4 replicas per process
 
-_WORKER = textwrap.dedent(
+_WORKER = WORKER_PREAMBLE + textwrap.dedent(
     """
-    import json, sys, time
-    import jax
-
-    jax.config.update("jax_num_cpu_devices", 4)
-    jax.distributed.initialize(
-        coordinator_address=f"127.0.0.1:{sys.argv[2]}", num_processes=2,
-        process_id=int(sys.argv[1]), initialization_timeout=60,
-    )
+    import time
     import jax.numpy as jnp
     import numpy as np
     import jaxdist as jd

@@ -14,7 +14,7 @@ import pytest
 
 import jaxdist as jd
 
-from _helpers import run_workers
+from _helpers import WORKER_PREAMBLE, run_workers
 
 ROWS, BATCH, SEED, EPOCHS = 100, 24, 7, 3  # 5 batches an epoch, the last of 4 rows
 
@@ -237,16 +237,8 @@ def test_bad_states_are_refused(mirrored8: jd.MirroredStrategy) -> None:
         it.set_state({**state, "source_epochs": [0, 0]})
 
 
-_WORKER = textwrap.dedent(
+_WORKER = WORKER_PREAMBLE + textwrap.dedent(
     """
-    import json, sys
-    import jax
-
-    jax.config.update("jax_num_cpu_devices", 4)
-    jax.distributed.initialize(
-        coordinator_address=f"127.0.0.1:{sys.argv[2]}", num_processes=2,
-        process_id=int(sys.argv[1]), initialization_timeout=60,
-    )
     import numpy as np
     import jaxdist as jd
 

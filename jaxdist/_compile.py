@@ -340,7 +340,9 @@ def replicated(
 
     def traced(*local: Any) -> list[Any]:
         trace.leaves.clear()
-        ctx = ReplicaContext(strategy)
+        # One replica of several logical devices: XLA cannot compile a collective over
+        # a manual axis of size 1 beside automatic ones, and each is an identity there.
+        ctx = ReplicaContext(strategy, _solo=n == 1 and strategy.mesh.size > 1)
         for j in range(n_valid):
             ctx._set_valid(local[n_args + j], inputs.valid_replicated[j])
         vals = [_enter(ctx, k, m, x) for (k, m), x in zip(inputs.kinds, local, strict=False)]

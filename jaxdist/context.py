@@ -42,6 +42,9 @@ class ReplicaContext:
 
     strategy: StrategyLike
     _bound: bool = True
+    # One replica on a mesh of several devices (`TPUStrategy` with one replica of
+    # several logical devices): every collective is an identity and emits none.
+    _solo: bool = False
     # id(per-replica view) -> (view, invariant value) of ON_WRITE variable inputs;
     # filled while the replica function is traced (see jaxdist._replica_updates).
     _mirrors: dict[int, tuple[Any, Any]] = dataclasses.field(
@@ -132,6 +135,8 @@ class ReplicaContext:
         counts, replicated = self._valid[0]
         if replicated:
             return jnp.sum(counts)
+        if self._solo:
+            return counts[0]
         return lax.psum(counts[0], self.axis_name)
 
     def valid_mask(self, rows: int) -> jax.Array:
@@ -165,7 +170,7 @@ class ReplicaContext:
         """
         op = ReduceOp.from_any(reduce_op, where="ReplicaContext.all_reduce")
         self._check_live("all_reduce")
-        if not self._bound:
+        if not self._bound or self._solo:
             return value
         axis: Any = self.axis_name  # a mesh axis name or a tuple of them
         return self.strategy.cross_device_ops.all_reduce(op, value, axis, options)
@@ -173,7 +178,7 @@ class ReplicaContext:
     def all_gather(self, value: Any, axis: int, options: Any = None) -> Any:
         """Concatenates every replica's ``value`` along ``axis`` (tiled), on every replica."""
         self._check_live("all_gather")
-        if not self._bound:
+        if not self._bound or self._solo:
             return value
         return jax.tree.map(
             lambda x: lax.all_gather(x, self.axis_name, axis=axis, tiled=True), value
@@ -202,7 +207,7 @@ class ReplicaContext:
                     f"into {n} equal slices along axis {axis}; pad that axis to a multiple "
                     f"of {n}."
                 )
-            if not self._bound:
+            if not self._bound or self._solo:
                 return x
             out = lax.psum_scatter(x, self.axis_name, scatter_dimension=axis, tiled=True)
             return out / n if op is ReduceOp.MEAN else out
@@ -218,7 +223,7 @@ class ReplicaContext:
                 f"ReplicaContext.broadcast: source_replica={source_replica} is outside "
                 f"[0, {n}) for {n} replicas."
             )
-        if not self._bound:
+        if not self._bound or self._solo:
             return value
         mine = lax.axis_index(self.axis_name) == source_replica
 
@@ -235,7 +240,7 @@ class ReplicaContext:
         """Splits ``split_axis`` into N chunks, sends chunk ``r`` to replica ``r``,
         and concatenates the received chunks along ``concat_axis``."""
         self._check_live("all_to_all")
-        if not self._bound:
+        if not self._bound or self._solo:
             return value
         return jax.tree.map(
             lambda x: lax.all_to_all(x, self.axis_name, split_axis, concat_axis, tiled=True),
@@ -249,6 +254,8 @@ class ReplicaContext:
         pairs = self._check_permutation(perm)
         if not self._bound:
             return value
+        if self._solo:  # one replica: (0, 0) keeps the value, no pair gives zeros
+            return value if pairs else jax.tree.map(jnp.zeros_like, value)
         return jax.tree.map(lambda x: lax.ppermute(x, self.axis_name, pairs), value)
 
     def _check_permutation(self, perm: Any) -> list[tuple[int, int]]:
@@ -344,8 +351,14 @@ class ReplicaContext:
         if not (is_tracer(x) or isinstance(x, jax.Array)):
             return x
         if varies(x, self.axis_name):
-            return PerReplica(all_gather_invariant(x, self.axis_name))
+            return PerReplica(self._stack(x))
         return Mirrored(x)
+
+    def _stack(self, x: Any) -> Any:
+        """Every replica's ``x`` stacked on a new leading axis (invariant)."""
+        if self._solo:
+            return x[None]
+        return all_gather_invariant(x, self.axis_name)
 
     def _variable_for_merge(self, var: Any) -> Any:
         """A variable as ``merge_fn`` sees it: the cross-replica variable (TF's
@@ -354,7 +367,7 @@ class ReplicaContext:
         if not meta.local:
             return var
         if var.is_on_read:
-            stored = all_gather_invariant(var._stored, self.axis_name)
+            stored = self._stack(var._stored)
         else:
             stored = mirror_of(self, var, "ReplicaContext.merge_call")
         return var._make(stored, dataclasses.replace(meta, local=False))

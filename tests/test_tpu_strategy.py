@@ -212,18 +212,40 @@ def test_one_replica_of_eight_logical_devices() -> None:
     assert isinstance(out, jax.Array)  # one replica: plain arrays, as TF
     np.testing.assert_allclose(np.asarray(out), np.sin(x), rtol=RTOL)
 
-    # A collective over the replica axis (size 1) beside the sharded logical axis: XLA
-    # either compiles it (an identity) or fails, and then the error says why.
-    def reduced(ctx, x):
-        return ctx.all_reduce("sum", fn(ctx, x))
+    # Every collective over the replica axis (size 1) is an identity, and emits no
+    # collective: XLA cannot compile one beside the sharded logical axis.
+    def collectives(ctx, x):
+        y = fn(ctx, x)
+        merged = ctx.merge_call(lambda strategy, v: strategy.reduce("sum", v, axis=None), (y,))
+        return (
+            ctx.all_reduce("sum", y),
+            ctx.all_reduce("max", y),
+            ctx.all_gather(y, 0),
+            ctx.reduce_scatter("mean", y, 0),
+            ctx.broadcast(y),
+            ctx.all_to_all(y, 0, 1),
+            ctx.ppermute(y, [(0, 0)]),
+            ctx.ppermute(y, []),
+            merged,
+        )
 
-    try:
-        total = s.run(reduced, args=(x,))
-    except jax.errors.JaxRuntimeError as error:
-        assert "manual partitioning mode" in str(error)
-        assert any("has one replica" in note for note in getattr(error, "__notes__", []))
-    else:
-        np.testing.assert_allclose(np.asarray(total), np.sin(x), rtol=RTOL)
+    outs = s.run(collectives, args=(x,))
+    for out in outs[:7] + outs[8:]:
+        np.testing.assert_allclose(np.asarray(out), np.sin(x), rtol=RTOL)
+    np.testing.assert_array_equal(np.asarray(outs[7]), 0.0)
+    hlo = _hlo(s, collectives, x)
+    assert not re.search(r"all-reduce\(|reduce-scatter\(|collective-permute\(", hlo)
+
+    with s.scope():
+        total = jd.Variable(np.zeros(3, np.float32), aggregation="sum")
+        mean = jd.Variable(np.zeros(3, np.float32), aggregation="mean")
+
+    def update(ctx, total, mean, x):
+        return ctx.assign_add(total, x), ctx.assign(mean, x * 2)
+
+    total, mean = s.run(update, args=(total, mean, np.arange(3, dtype=np.float32)))
+    np.testing.assert_array_equal(np.asarray(total), [0, 1, 2])
+    np.testing.assert_array_equal(np.asarray(mean), [0, 2, 4])
 
 
 # TF's errors, in TF's order -------------------------------------------------------------
@@ -308,11 +330,11 @@ def _data() -> tuple[dict[str, np.ndarray], np.ndarray, np.ndarray]:
     return params, x, y
 
 
-def _mlp(params, x, annotate=None):
+def _mlp(params, x, annotate=None, ways=2):
     w1, w2 = params["w1"], params["w2"]
     if annotate is not None:
-        w1 = annotate(w1, [1, 2])  # the hidden (output) dimension over the logical devices
-        w2 = annotate(w2, [2, 1])  # ... and the matching input dimension
+        w1 = annotate(w1, [1, ways])  # the hidden (output) dimension over the logical devices
+        w2 = annotate(w2, [ways, 1])  # ... and the matching input dimension
     return jnp.tanh(x @ w1 + params["b1"]) @ w2
 
 
@@ -367,7 +389,9 @@ def test_tensor_parallel_mlp_trains_like_one_device(tp: jd.TPUStrategy) -> None:
         np.testing.assert_allclose(np.asarray(p[name]), ref[name], rtol=RTOL, atol=ATOL)
 
 
-def test_tensor_parallel_mlp_with_train_step(tp: jd.TPUStrategy) -> None:
+@pytest.mark.parametrize(("cores", "replicas"), [(2, 4), (8, 1)])
+def test_tensor_parallel_mlp_with_train_step(cores: int, replicas: int) -> None:
+    tp = _strategy(cores, replicas)  # (8, 1): one replica, collectives are identities
     params, xs, ys = _data()
     tx = optax.sgd(0.1)
     split = tp.experimental_split_to_logical_devices
@@ -377,7 +401,7 @@ def test_tensor_parallel_mlp_with_train_step(tp: jd.TPUStrategy) -> None:
     @jd.train_step(tp)
     def step(ctx, state, x, y):
         def loss_fn(p):
-            per_example = jnp.mean((_mlp(p, x, split) - y) ** 2, axis=-1)
+            per_example = jnp.mean((_mlp(p, x, split, ways=cores) - y) ** 2, axis=-1)
             return jd.compute_average_loss(per_example, global_batch_size=BATCH)
 
         loss, grads = jax.value_and_grad(loss_fn)(state.params)

@@ -134,9 +134,10 @@ class TPUStrategy(Strategy):
     device (JAX has no such sharding): it checks the id and replicates the
     value over the replica's logical devices. With one replica of several
     logical devices, XLA cannot compile a collective over the replica axis
-    (of size 1) in a program that also shards over the logical axis; the
-    error then says so (with one replica collectives are identities: leave
-    them out).
+    (of size 1) in a program that also shards over the logical axis, so the
+    replica context's collectives and variable aggregations are identities
+    there and emit none; a raw ``jax.lax`` collective over the replica axis
+    still fails, and the error says why.
 
     Example:
         >>> import jax, jaxdist as jd
@@ -193,9 +194,10 @@ class TPUStrategy(Strategy):
         note = (
             f"jaxdist: {self!r} has one replica, and XLA cannot compile a collective over a "
             "replica axis of size 1 beside a sharded logical axis (plain jax.shard_map fails "
-            "the same way). With one replica every collective is an identity: leave out "
-            "ctx.all_reduce / all_gather / ... (and ON_WRITE variables with SUM "
-            "aggregation), or build the device assignment with num_replicas >= 2."
+            "the same way). With one replica every collective is an identity: the "
+            "ReplicaContext's collectives (ctx.all_reduce, ...) leave them out for you; "
+            "replace a jax.lax collective over the replica axis by its ctx method, or "
+            "build the device assignment with num_replicas >= 2."
         )
 
         def explained(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:

@@ -54,6 +54,8 @@ def varying_variable_error(meta: Any, where: str) -> ValueError:
 
 def _aggregate(ctx: ReplicaContextLike, var: Variable, x: Any, where: str) -> Any:
     agg = var.aggregation
+    if ctx._solo:  # one replica: every aggregation keeps its update
+        return x
     varying = varies(x, ctx.axis_name)
     if agg is Agg.SUM:
         return lax.psum(x, ctx.axis_name)

@@ -14,6 +14,11 @@ from typing import Any
 
 import jax
 
+# The mesh axis of a replica's logical devices (`TPUStrategy`); the replica axes are
+# the others. Values on such a mesh have one component per replica, on its logical
+# device 0.
+LOGICAL_AXIS_NAME = "logical"
+
 _SPEC = re.compile(r"(?:^|/)(?:device:)?(?P<kind>[A-Za-z_]+):(?P<index>\d+)$")
 
 

@@ -25,6 +25,7 @@ import numpy as np
 from jaxdist._dtypes import numeric
 from jaxdist._jax_compat import is_tracer
 from jaxdist._scope import get_strategy
+from jaxdist.devices import LOGICAL_AXIS_NAME
 
 __all__ = ["DistributedValues", "Mirrored", "PerReplica", "ValueContext"]
 
@@ -120,6 +121,18 @@ def _addressable_shards(array: Any) -> list[Any] | None:
     if isinstance(array, jax.Array) and not is_tracer(array):
         return list(array.addressable_shards)
     return None
+
+
+def _first_logical_devices(array: jax.Array) -> set[Any] | None:
+    """The logical devices 0 of the replicas, when ``array`` lies on a mesh with a
+    `LOGICAL_AXIS_NAME` axis (a `TPUStrategy`'s): each replica's component is there."""
+    sharding = array.sharding
+    mesh = getattr(sharding, "mesh", None)
+    names = getattr(mesh, "axis_names", ())
+    if mesh is None or LOGICAL_AXIS_NAME not in names:
+        return None
+    devices = np.moveaxis(np.asarray(mesh.devices), names.index(LOGICAL_AXIS_NAME), -1)
+    return set(devices[..., 0].ravel().tolist())
 
 
 def _no_single_value(kind: str) -> TypeError:
@@ -289,6 +302,9 @@ class Mirrored(DistributedValues):
         shards = _addressable_shards(self.array)
         if shards is None:
             return (self.array,)
+        firsts = _first_logical_devices(self.array)
+        if firsts is not None:  # one component per replica, not per logical device
+            shards = [s for s in shards if s.device in firsts]
         return tuple(s.data for s in shards)
 
     def __float__(self) -> float:

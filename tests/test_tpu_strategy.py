@@ -89,6 +89,8 @@ def test_variable_and_outputs_have_one_local_result_per_replica(tp: jd.TPUStrate
     assert [np.asarray(t).tolist() for t in tp.experimental_local_results(total)] == [
         x.sum(0).tolist()
     ] * 4
+    # TF's `.values`: one component per replica, on its logical device 0.
+    assert [c.devices() for c in total.values] == [{d} for d in tp.extended.worker_devices]
     np.testing.assert_array_equal(np.stack(tp.experimental_local_results(rows)), x * 2)
     np.testing.assert_allclose(float(tp.reduce("sum", rows, axis=0).sum()), 2 * x.sum())
 

@@ -30,12 +30,12 @@ from jax.sharding import PartitionSpec as P
 
 from jaxdist._scope import current_replica_context
 from jaxdist.cluster_resolver import ClusterResolver, initialize
+from jaxdist.devices import LOGICAL_AXIS_NAME
 from jaxdist.extended import StrategyExtended
 from jaxdist.strategy import Strategy
 
 __all__ = ["LOGICAL_AXIS_NAME", "TPUStrategy", "TPUStrategyExtended"]
 
-LOGICAL_AXIS_NAME = "logical"
 
 
 class _DeviceAssignmentLike(Protocol):

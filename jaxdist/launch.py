@@ -117,6 +117,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import os
 import signal
 import subprocess
@@ -127,17 +128,20 @@ from typing import TextIO
 
 from jaxdist._launch_config import (
     DEFAULT_KILL_TIMEOUT,
+    ENV_COLLECTIVE_TIMEOUT,
     ENV_COORDINATOR_ADDRESS,
     ENV_LOCAL_DEVICE_COUNT,
     ENV_NUM_PROCESSES,
     ENV_PROCESS_ID,
     ENV_RESTART_COUNT,
+    ENV_WATCHDOG_LOG_INTERVAL,
     LOOPBACK,
     PREEMPTED_EXIT_CODE,
     LaunchConfig,
     child_environment,
     free_port,
     port_in_use,
+    watchdog_report,
 )
 from jaxdist._launch_output import POLL_INTERVAL as POLL_INTERVAL
 from jaxdist._launch_output import Output as Output
@@ -167,10 +171,25 @@ __all__ = [
 ]
 
 _DRAIN_TIMEOUT = 2.0  # seconds to finish copying output after the processes exited
+_LOG_INTERVAL = 60.0  # the strategies' default seconds between watchdog lines
 
 
 def _processes(n: int) -> str:
     return f"{n} process" if n == 1 else f"{n} processes"
+
+
+def _ids(ids: Sequence[int]) -> str:
+    return ("process " if len(ids) == 1 else "processes ") + ", ".join(map(str, ids))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Report:
+    """The last watchdog line of a process: when it came, and what it said."""
+
+    at: float  # time.monotonic()
+    kind: str  # "waiting" (a periodic line) or "ended" (its watchdog ended it)
+    step: int
+    late: tuple[int, ...]  # the processes that had not reached the step
 
 
 class _StartError(RuntimeError):
@@ -182,9 +201,11 @@ class _Round:
     """How one start of the group ended."""
 
     failure: tuple[int, int] | None = None  # (process id, return code) of the first failure
-    others_stopped: int = 0  # processes still running at the first failure
     signal: int | None = None  # the first signal the launcher got
     preempted: bool = False  # every process exited with PREEMPTED_EXIT_CODE
+    running: tuple[int, ...] = ()  # the processes still running at the first failure
+    at: float = 0.0  # when the first failure was seen (time.monotonic())
+    reports: dict[int, _Report] = dataclasses.field(default_factory=dict)  # by process
 
 
 class _Job:
@@ -193,6 +214,47 @@ class _Job:
     def __init__(self, config: LaunchConfig, output: Output, trap: SignalTrap) -> None:
         self._config, self._output, self._trap = config, output, trap
         self._parent = os.getpid()
+        self._reports: dict[int, _Report] = {}  # of the current start, by process
+        interval = config.watchdog_log_interval
+        if interval is None:
+            try:
+                interval = float(os.environ.get(ENV_WATCHDOG_LOG_INTERVAL, "") or _LOG_INTERVAL)
+            except ValueError:
+                interval = _LOG_INTERVAL
+        # A "waiting" line is repeated every interval while the wait lasts: an older one is over.
+        self._fresh = 2 * (interval or _LOG_INTERVAL) + 5
+
+    def _note(self, rank: int, line: str) -> None:
+        """Keeps what a watchdog line of process ``rank`` says (its stderr, as copied)."""
+        report = watchdog_report(line)
+        if report is not None:
+            self._reports[rank] = _Report(time.monotonic(), *report)
+
+    def _first_failure(self, result: _Round, preempted: bool) -> str:
+        """The launcher's line about the first failure of a start: which process, how it
+        ended, and, where the watchdogs' lines said so, what it and the others waited for."""
+        assert result.failure is not None
+        rank, returncode = result.failure
+        first = "first failure: preempted" if preempted else "first failure"
+        own = result.reports.get(rank)
+        if own is not None and own.kind == "ended":
+            first += f": its watchdog ended it: step {own.step} did not complete"
+            if own.late:
+                first += f", {_ids(own.late)} did not arrive"
+        others = len(result.running)
+        if not others:
+            return f"process {rank} {describe(returncode)} ({first}); no other process was running."
+        waiting = []
+        for i in result.running:
+            report = result.reports.get(i)
+            if report is None or report.kind != "waiting" or not report.late:
+                continue
+            if report.at >= result.at - self._fresh:
+                waiting.append(f"{i} was waiting in step {report.step} for {_ids(report.late)}")
+        stopped = f"stopped the other {_processes(others)}"
+        if waiting:
+            stopped += " (" + "; ".join(waiting) + ")"
+        return f"process {rank} {describe(returncode)} ({first}); {stopped}."
 
     def run(self) -> int:
         config, say = self._config, self._output.message
@@ -215,15 +277,10 @@ class _Job:
                     return PREEMPTED_EXIT_CODE
                 say(f"stopped after {name}.")
                 return 128 + result.signal
-            rank, returncode = result.failure
+            returncode = result.failure[1]
             code = exit_code(returncode)
             preempted = returncode == PREEMPTED_EXIT_CODE
-            others = result.others_stopped
-            stopped = f"stopped the other {_processes(others)}"
-            if not others:
-                stopped = "no other process was running"
-            first = "first failure: preempted" if preempted else "first failure"
-            say(f"process {rank} {describe(returncode)} ({first}); {stopped}.")
+            say(self._first_failure(result, preempted))
             if result.signal is not None or self._trap.received:
                 return code
             restarts += 1
@@ -261,6 +318,7 @@ class _Job:
     def _run_round(self, envs: list[dict[str, str]]) -> _Round:
         config, output, say = self._config, self._output, self._output.message
         procs: list[subprocess.Popen[bytes]] = []
+        self._reports = {}
         try:
             for i, env in enumerate(envs):
                 proc = self._start(env)
@@ -268,7 +326,7 @@ class _Job:
                 prefix = f"[{i}] ".encode() if config.prefix else b""
                 assert proc.stdout is not None and proc.stderr is not None
                 output.add(proc.stdout, output.stdout, prefix)
-                output.add(proc.stderr, output.stderr, prefix)
+                output.add(proc.stderr, output.stderr, prefix, functools.partial(self._note, i))
         except OSError as exc:
             self._finish(procs)
             command = " ".join(config.command())
@@ -297,7 +355,8 @@ class _Job:
             failed = [i for i, code in enumerate(codes) if code not in (None, 0)]
             if failed and stop_at is None:
                 result.failure = (failed[0], codes[failed[0]] or 0)
-                result.others_stopped, stop_at = len(running), time.monotonic()
+                stop_at = time.monotonic()
+                result.running, result.at = tuple(running), stop_at
                 signal_groups(groups, signal.SIGTERM)
             if not running:
                 result.preempted = all(code == PREEMPTED_EXIT_CODE for code in codes)
@@ -315,6 +374,7 @@ class _Job:
                     "after being asked to stop; sent SIGKILL."
                 )
         self._finish(procs)
+        result.reports = dict(self._reports)  # with the processes' last lines
         return result
 
     def _finish(self, procs: list[subprocess.Popen[bytes]]) -> None:
@@ -403,7 +463,12 @@ def _parser(prog: str) -> argparse.ArgumentParser:
         help=f"grace between SIGTERM and SIGKILL (default {DEFAULT_KILL_TIMEOUT:g})")  # fmt: skip
     add("--collective-timeout", type=float, metavar="SECONDS",
         help="end the job when a MultiWorkerMirroredStrategy step does not complete in this "
-        "time: the default CommunicationOptions.timeout_seconds (default: no limit)")  # fmt: skip
+        "time, for strategies whose CommunicationOptions give no timeout_seconds (sets "
+        f"{ENV_COLLECTIVE_TIMEOUT}; default: the strategy's, 1200 s; 0: no limit)")  # fmt: skip
+    add("--watchdog-log-interval", type=float, metavar="SECONDS",
+        help="while a MultiWorkerMirroredStrategy step waits, each waiting process says so "
+        f"every this many seconds (sets {ENV_WATCHDOG_LOG_INTERVAL}; default: the "
+        "strategy's, 60 s; 0: never)")  # fmt: skip
     add("--coordinator-port", "--master-port", type=int, metavar="PORT",
         help="coordinator port on 127.0.0.1 (default: a free one)")  # fmt: skip
     add("--no-prefix", action="store_true", help="do not prefix output lines with '[i] '")
@@ -439,6 +504,7 @@ def _parse(argv: list[str], prog: str) -> LaunchConfig:
             coordinator_port=ns.coordinator_port,
             prefix=not ns.no_prefix,
             collective_timeout=ns.collective_timeout,
+            watchdog_log_interval=ns.watchdog_log_interval,
         )
         child_environment(config, 0, 1)  # e.g. too few GPUs listed: fail before starting
     except ValueError as exc:

@@ -24,7 +24,10 @@ Options:
 ``--count-preemptions``      count restarts after preemptions against K too
 ``--kill-timeout SECONDS``   grace between SIGTERM and SIGKILL (default 5)
 ``--collective-timeout T``   end the job when a MultiWorkerMirroredStrategy step
-                             does not complete in T s (default: no limit)
+                             does not complete in T s (default: the strategy's,
+                             1200 s; 0: no limit)
+``--watchdog-log-interval``  S: while a step waits, each waiting process says
+                             so every S s (default: the strategy's, 60 s; 0: never)
 ``--coordinator-port PORT``  pin the coordinator port (alias ``--master-port``)
 ``--no-prefix``              do not prefix output lines with ``[i] ``
 ``-m``                       the program is a module name, as in ``python -m``
@@ -47,6 +50,7 @@ Environment of process ``i`` (everything else is inherited from the launcher):
 ``JAXDIST_COLLECTIVE_TIMEOUT``     ``--collective-timeout`` only: ``T``, the
                                    ``timeout_seconds`` of strategies whose
                                    ``CommunicationOptions`` give none
+``JAXDIST_WATCHDOG_LOG_INTERVAL``  ``--watchdog-log-interval`` only: ``S``
 =================================  ==============================================
 
 Output: each line a process writes to stdout (stderr) is copied whole to the
@@ -56,8 +60,16 @@ processes never mix within a line. Processes read no standard input.
 Failures: the first process to exit with a non-zero code or to die by a
 signal stops the job: the launcher sends SIGTERM to the others, SIGKILL to
 those still running ``--kill-timeout`` seconds later, and says which process
-failed first, e.g. ``jaxdist.launch: process 1 exited with code 3 (first
-failure); stopped the other 1 process.`` With ``--max-restarts K`` the whole
+failed first, with its own exit code, e.g. ``jaxdist.launch: process 1 exited
+with code 3 (first failure); stopped the other 1 process.`` The launcher reads
+the lines the strategies' watchdog prints (`MultiWorkerMirroredStrategy`: every
+60 s that a step waits, and when its timeout ends a process) and adds what they
+said: which processes were still waiting, in which step, for whom (``stopped
+the other 1 process (0 was waiting in step 20 for process 1)``; lines older
+than two intervals are over and left out), or that the first failure was a
+watchdog ending its process (``process 0 exited with code 1 (first failure:
+its watchdog ended it: step 20 did not complete, process 1 did not arrive)``).
+With ``--max-restarts K`` the whole
 group is then started again, with a new coordinator port and
 ``JAXDIST_RESTART_COUNT`` one higher, at most K times; scripts resume from
 their checkpoints. A process that exits with code 0 while others run is

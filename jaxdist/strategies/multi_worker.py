@@ -35,31 +35,43 @@ an uncaught exception in a process, or  that process exits at once, code 1 (the 
                                         the others as for a dead process (under the
                                         launcher: measured 5.2 s, ``--kill-timeout``)
 a process is alive but stuck (a hang,   its heartbeat goes on, so the others wait in their
-a skipped step, a long pause)           collective: with ``timeout_seconds`` (below) the
-                                        watchdog ends them after that time, naming the
-                                        step and the stuck process (measured: 10.7 s
-                                        with T = 10, 2 processes through the launcher);
-                                        without it, on CPU up to XLA's collective
-                                        timeout, 30 min by default
+a skipped step, a long pause)           collective; the watchdog (below, on by default)
+                                        makes each waiting process print, every 60 s,
+                                        the step it waits in and who has not arrived,
+                                        and ends the job after the timeout (default
+                                        1200 s), naming the step and the stuck process
+                                        (measured: 10.7 s with T = 10, 2 processes
+                                        through the launcher)
 ======================================  ==================================================
 
-``CommunicationOptions(timeout_seconds=T)`` (or the launcher's
-``--collective-timeout T``, ``JAXDIST_COLLECTIVE_TIMEOUT``, for strategies
-whose options give none) starts a watchdog in every process of a
-multi-process job (`jaxdist.strategies._watchdog`): the strategy counts its
-steps (every ``run`` / ``function`` call), each process publishes its count
-in `jax.distributed`'s key-value store, and when a step has been in flight
-for ``T`` seconds without completing, the process prints one line, e.g.
-"jaxdist: MultiWorkerMirroredStrategy: step 20 did not complete within 10 s
-(CommunicationOptions(timeout_seconds=10)): process 1 (its last step: 19)
-did not arrive; ending process 0 with exit code 1.", and exits with code 1;
-the launcher (or the heartbeat) ends the others. A stall shorter than ``T``
-passes, and compiling a step does not count, but waiting for a peer that is
-still compiling does. As in TF it must exceed the longest legitimate step.
-On CPU, XLA's collective timeout (``--xla_cpu_collective_timeout_seconds``,
-a process-wide flag read when JAX's backend starts, so the strategy sets it
-as it starts `jax.distributed`) is set to ``T + 10`` s as a backstop.
-``None`` or ``0`` means no watchdog and XLA's default.
+Every process of a multi-process job runs a watchdog
+(`jaxdist.strategies._watchdog`; a one-process job runs none): the strategy
+counts its steps (every program it dispatches: ``run`` / ``function`` /
+training-step calls and the cross-replica operations that dispatch one,
+``reduce``, ``gather``, ``extended.reduce_to`` / ``batch_reduce_to`` /
+``update``, an ``ON_READ`` variable's aggregate; ``experimental_local_results``
+dispatches nothing), and each process publishes its count in
+`jax.distributed`'s key-value store. Every ``S`` seconds that a step stays in
+flight (``JAXDIST_WATCHDOG_LOG_INTERVAL`` or the launcher's
+``--watchdog-log-interval``; default 60, ``0``: no lines) each waiting process
+prints which step it waits in, what that step is and which processes have not
+arrived; when a step has been in flight for ``T`` seconds without completing,
+it prints one line, e.g. "jaxdist: MultiWorkerMirroredStrategy: step 20 did not
+complete within 10 s (CommunicationOptions(timeout_seconds=10)): process 1 (its
+last step: 19) did not arrive; ending process 0 with exit code 1.", and exits
+with code 1; the launcher (or the heartbeat) ends the others. ``T`` is
+``CommunicationOptions(timeout_seconds=T)``, else ``JAXDIST_COLLECTIVE_TIMEOUT``
+(the launcher's ``--collective-timeout T``), else 1200 s (20 min: below XLA's
+own CPU collective timeout of 30 min, far above a first compile); ``0`` turns
+the ending off and keeps the lines. A stall shorter than ``T`` passes, and
+compiling a step does not count (a step counts from its dispatch), but waiting
+for a peer that is still compiling does. As in TF it must exceed the longest
+legitimate step. On CPU, XLA's collective timeout
+(``--xla_cpu_collective_timeout_seconds``, a process-wide flag read when JAX's
+backend starts, so the strategy sets it as it starts `jax.distributed`) is set
+to ``T + 10`` s as a backstop; for the built-in default, only when neither
+``XLA_FLAGS`` nor a started backend has fixed it already (an explicit ``T``
+then raises).
 
 SIGTERM does not stop a process of a `jax.distributed` job: JAX's
 preemption service takes it as a preemption notice

@@ -194,6 +194,15 @@ def _ids(ids: Sequence[int]) -> str:
     return ("process " if len(ids) == 1 else "processes ") + ", ".join(map(str, ids))
 
 
+def _first_failure(codes: Sequence[int | None]) -> int | None:
+    """Which of the processes that failed since the last look (return codes, ``None`` while
+    running) to report as the first failure: one that exited with a code of its own before
+    one killed by a signal (as the coordination service ends the others, with SIGABRT, when
+    the process hosting it exits), then the lowest id; ``None`` when none failed."""
+    failed = [i for i, code in enumerate(codes) if code not in (None, 0)]
+    return min(failed, key=lambda i: ((codes[i] or 0) < 0, i), default=None)
+
+
 @dataclasses.dataclass(frozen=True)
 class _Report:
     """The last watchdog line of a process: when it came, and what it said."""
@@ -364,9 +373,9 @@ class _Job:
                     result.signal, killed = result.signal or sig, True
                     signal_groups(groups, signal.SIGKILL)
                     say(f"received {name} {again}; killed {_processes(len(running))}.")
-            failed = [i for i, code in enumerate(codes) if code not in (None, 0)]
-            if failed and stop_at is None:
-                result.failure = (failed[0], codes[failed[0]] or 0)
+            first = _first_failure(codes)
+            if first is not None and stop_at is None:
+                result.failure = (first, codes[first] or 0)
                 stop_at = time.monotonic()
                 result.running, result.at = tuple(running), stop_at
                 signal_groups(groups, signal.SIGTERM)

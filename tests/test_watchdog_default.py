@@ -33,7 +33,7 @@ import jaxdist as jd
 from jaxdist._launch_config import watchdog_report
 from jaxdist._launch_output import Output
 from jaxdist.communication import CommunicationOptions
-from jaxdist.launch import LaunchConfig, _Job, _Report, _Round
+from jaxdist.launch import LaunchConfig, _first_failure, _Job, _Report, _Round
 from jaxdist.strategies import _watchdog
 from jaxdist.strategies.multi_worker import _DEFAULT_SOURCE, _program_name, _watchdog_settings
 
@@ -221,6 +221,13 @@ def test_program_names() -> None:
     assert _program_name(call) == "strategy.run(step)"  # a donating call holds the program
     assert _program_name(jaxdist_train_step_loss) == "train_step(loss)"
     assert _program_name(lambda a, k: a) == "a compiled step"
+
+
+def test_the_first_failure_among_those_seen_together() -> None:
+    assert _first_failure([None, 0, None]) is None
+    assert _first_failure([None, 3, 1]) == 1
+    assert _first_failure([-6, 3, None]) == 1  # SIGABRT from the service: a consequence
+    assert _first_failure([-9, -6]) == 0
 
 
 def test_the_launchers_first_failure_line_says_who_waited() -> None:

@@ -34,7 +34,7 @@ from jaxdist._launch_config import watchdog_report
 from jaxdist._launch_output import Output
 from jaxdist.communication import CommunicationOptions
 from jaxdist.launch import LaunchConfig, _first_failure, _Job, _Report, _Round
-from jaxdist.strategies import _watchdog
+from jaxdist.strategies import _watchdog, multi_worker
 from jaxdist.strategies.multi_worker import _DEFAULT_SOURCE, _program_name, _watchdog_settings
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -161,10 +161,31 @@ def test_settings_of_a_multi_process_job(monkeypatch: pytest.MonkeyPatch) -> Non
         _watchdog_settings(default, "w")
 
 
+def test_the_default_sets_xlas_backstop_only_where_nothing_fixed_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    flag = "--xla_cpu_collective_timeout_seconds"
+    monkeypatch.delenv("XLA_FLAGS", raising=False)
+    started = [False]
+    monkeypatch.setattr(multi_worker, "_backends_initialized", lambda: started[0])
+    multi_worker._set_collective_timeout(1200.0, "w", default=True)
+    assert os.environ["XLA_FLAGS"] == f"{flag}=1210"  # the watchdog's line comes first
+    monkeypatch.setenv("XLA_FLAGS", f"--xla_cpu_use_xnnpack=false {flag}=99")
+    multi_worker._set_collective_timeout(1200.0, "w", default=True)  # the user's value stays
+    assert os.environ["XLA_FLAGS"] == f"--xla_cpu_use_xnnpack=false {flag}=99"
+    monkeypatch.delenv("XLA_FLAGS")
+    started[0] = True
+    multi_worker._set_collective_timeout(1200.0, "w", default=True)  # too late: no error
+    assert "XLA_FLAGS" not in os.environ
+    with pytest.raises(RuntimeError, match=r"w: CommunicationOptions\(timeout_seconds=10\) sets"):
+        multi_worker._set_collective_timeout(10, "w")  # an explicit timeout still says so
+
+
 def test_every_program_the_strategy_dispatches_is_a_step() -> None:
     """run / function / train-step programs and cross-replica operations that dispatch one
     count, in order, with what they are; local results (no program) do not."""
     s = jd.MultiWorkerMirroredStrategy()  # one process here: given a watchdog by hand
+    assert s._watchdog is None  # a one-process job has none (no lines, no timeout)
     store = FakeStore()
     dog = _watchdog.Watchdog(None, store, 0, 1, log_interval=None)
     object.__setattr__(s, "_watchdog", dog)

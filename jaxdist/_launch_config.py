@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import socket
 import sys
 from collections.abc import Mapping
 
 __all__ = [
     "ENV_COLLECTIVE_TIMEOUT",
+    "ENV_WATCHDOG_LOG_INTERVAL",
     "DEFAULT_KILL_TIMEOUT",
     "ENV_COORDINATOR_ADDRESS",
     "ENV_LOCAL_DEVICE_COUNT",
@@ -26,6 +28,7 @@ __all__ = [
     "child_environment",
     "free_port",
     "port_in_use",
+    "watchdog_report",
 ]
 
 # The launcher's contract with `jaxdist.cluster_resolver.LauncherClusterResolver` (same names;
@@ -38,6 +41,7 @@ ENV_PROCESS_ID = "JAXDIST_PROCESS_ID"
 ENV_LOCAL_DEVICE_COUNT = "JAXDIST_LOCAL_DEVICE_COUNT"
 ENV_RESTART_COUNT = "JAXDIST_RESTART_COUNT"
 ENV_COLLECTIVE_TIMEOUT = "JAXDIST_COLLECTIVE_TIMEOUT"  # MultiWorkerMirroredStrategy reads it
+ENV_WATCHDOG_LOG_INTERVAL = "JAXDIST_WATCHDOG_LOG_INTERVAL"  # and this
 
 LOOPBACK = "127.0.0.1"
 DEFAULT_KILL_TIMEOUT = 5.0
@@ -67,7 +71,11 @@ class LaunchConfig:
         prefix: prefix each output line with ``[i] ``.
         collective_timeout: seconds after which a `MultiWorkerMirroredStrategy` step
             that does not complete ends the job, for strategies created without
-            ``CommunicationOptions(timeout_seconds=...)`` (``None``: no default).
+            ``CommunicationOptions(timeout_seconds=...)`` (``None``: the strategy's
+            own default, 20 min; ``0``: no timeout).
+        watchdog_log_interval: seconds between the lines a process of a
+            `MultiWorkerMirroredStrategy` job prints while a step waits (``None``:
+            the strategy's default, 60 s; ``0``: no lines).
 
     Example:
         >>> from jaxdist.launch import LaunchConfig
@@ -91,6 +99,7 @@ class LaunchConfig:
     coordinator_port: int | None = None
     prefix: bool = True
     collective_timeout: float | None = None
+    watchdog_log_interval: float | None = None
 
     def __post_init__(self) -> None:
         port, inf = self.coordinator_port, float("inf")
@@ -102,6 +111,7 @@ class LaunchConfig:
             ("gpus_per_proc", self.gpus_per_proc, 1, inf, "must be >= 1, or None for CPU"),
             ("coordinator_port", port, 1, 65535, "must be in 1..65535, or None for a free one"),
             ("collective_timeout", self.collective_timeout, 0, inf, "must be >= 0 (0: none)"),
+            ("watchdog_log_interval", self.watchdog_log_interval, 0, inf, "must be >= 0"),
         ]:
             if value is not None and not low <= value <= high:
                 option = "--" + name.replace("_", "-")
@@ -190,6 +200,8 @@ def child_environment(
     env.setdefault("PYTHONUNBUFFERED", "1")
     if config.collective_timeout is not None:
         env[ENV_COLLECTIVE_TIMEOUT] = f"{config.collective_timeout:g}"
+    if config.watchdog_log_interval is not None:
+        env[ENV_WATCHDOG_LOG_INTERVAL] = f"{config.watchdog_log_interval:g}"
     if config.gpus_per_proc is None:
         env["JAX_NUM_CPU_DEVICES"] = str(k)
         env.setdefault("JAX_PLATFORMS", "cpu")
@@ -224,3 +236,38 @@ def port_in_use(port: int) -> bool:
         except OSError:
             return True
     return False
+
+
+# The lines of the strategies' collective watchdog (`jaxdist.strategies._watchdog`) that the
+# launcher reads from a process's stderr, to say in its first-failure message which step a
+# process waited in and for which processes.
+_WAITING = re.compile(
+    r"jaxdist: \w+: process \d+ has waited \S+ s for step (\d+)\b.*?; "
+    r"(?:not arrived: process(?:es)? (.*?); (?:the job ends|no timeout)|every process arrived)"
+)
+_ENDED = re.compile(
+    r"jaxdist: \w+: step (\d+) did not complete within .*?: "
+    r"(?:process(?:es)? (.*) did not arrive|every process arrived)"
+)
+_LATE = re.compile(r"(\d+) \(its last step")
+
+
+def watchdog_report(line: str) -> tuple[str, int, tuple[int, ...]] | None:
+    """What a watchdog line says: ``("waiting" | "ended", step, processes not arrived)``;
+    ``None`` for any other line.
+
+    Example:
+        >>> watchdog_report(
+        ...     "jaxdist: MultiWorkerMirroredStrategy: step 20 did not complete within 10 s "
+        ...     "(CommunicationOptions(timeout_seconds=10)): process 1 (its last step: 19) did "
+        ...     "not arrive; ending process 0 with exit code 1.")
+        ('ended', 20, (1,))
+    """
+    if "jaxdist: " not in line:
+        return None
+    for kind, pattern in (("waiting", _WAITING), ("ended", _ENDED)):
+        found = pattern.search(line)
+        if found:
+            late = tuple(int(p) for p in _LATE.findall(found[2] or ""))
+            return kind, int(found[1]), late
+    return None

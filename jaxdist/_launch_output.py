@@ -7,6 +7,7 @@ import dataclasses
 import os
 import selectors
 import time
+from collections.abc import Callable
 from typing import IO, TextIO
 
 NAME = "jaxdist.launch"
@@ -22,6 +23,7 @@ class _Pipe:
     sink: TextIO
     prefix: bytes
     pending: bytes = b""
+    watch: Callable[[str], None] | None = None  # sees each of its lines that jaxdist wrote
 
 
 class Output:
@@ -36,8 +38,16 @@ class Output:
         self._broken: set[int] = set()  # ids of streams whose reader went away
         self._selector = selectors.DefaultSelector()
 
-    def add(self, pipe: IO[bytes], sink: TextIO, prefix: bytes) -> None:
-        self._selector.register(pipe, selectors.EVENT_READ, _Pipe(pipe, sink, prefix))
+    def add(
+        self,
+        pipe: IO[bytes],
+        sink: TextIO,
+        prefix: bytes,
+        watch: Callable[[str], None] | None = None,
+    ) -> None:
+        """Copies ``pipe`` to ``sink``; ``watch`` also gets each of its lines that holds
+        ``jaxdist: `` (decoded, without the prefix)."""
+        self._selector.register(pipe, selectors.EVENT_READ, _Pipe(pipe, sink, prefix, watch=watch))
 
     def write(self, sink: TextIO, data: bytes) -> None:
         if id(sink) in self._broken:
@@ -85,6 +95,10 @@ class Output:
         if data:
             lines = data.removesuffix(b"\n").split(b"\n")
             self.write(p.sink, b"".join(p.prefix + line + b"\n" for line in lines))
+            if p.watch is not None:
+                for line in lines:
+                    if b"jaxdist: " in line:
+                        p.watch(line.decode(errors="replace"))
 
     def _close(self, p: _Pipe) -> None:
         self._emit(p, p.pending)

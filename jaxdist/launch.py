@@ -24,7 +24,10 @@ Options:
 ``--count-preemptions``      count restarts after preemptions against K too
 ``--kill-timeout SECONDS``   grace between SIGTERM and SIGKILL (default 5)
 ``--collective-timeout T``   end the job when a MultiWorkerMirroredStrategy step
-                             does not complete in T s (default: no limit)
+                             does not complete in T s (default: the strategy's,
+                             1200 s; 0: no limit)
+``--watchdog-log-interval``  S: while a step waits, each waiting process says
+                             so every S s (default: the strategy's, 60 s; 0: never)
 ``--coordinator-port PORT``  pin the coordinator port (alias ``--master-port``)
 ``--no-prefix``              do not prefix output lines with ``[i] ``
 ``-m``                       the program is a module name, as in ``python -m``
@@ -47,6 +50,7 @@ Environment of process ``i`` (everything else is inherited from the launcher):
 ``JAXDIST_COLLECTIVE_TIMEOUT``     ``--collective-timeout`` only: ``T``, the
                                    ``timeout_seconds`` of strategies whose
                                    ``CommunicationOptions`` give none
+``JAXDIST_WATCHDOG_LOG_INTERVAL``  ``--watchdog-log-interval`` only: ``S``
 =================================  ==============================================
 
 Output: each line a process writes to stdout (stderr) is copied whole to the
@@ -56,8 +60,16 @@ processes never mix within a line. Processes read no standard input.
 Failures: the first process to exit with a non-zero code or to die by a
 signal stops the job: the launcher sends SIGTERM to the others, SIGKILL to
 those still running ``--kill-timeout`` seconds later, and says which process
-failed first, e.g. ``jaxdist.launch: process 1 exited with code 3 (first
-failure); stopped the other 1 process.`` With ``--max-restarts K`` the whole
+failed first, with its own exit code, e.g. ``jaxdist.launch: process 1 exited
+with code 3 (first failure); stopped the other 1 process.`` The launcher reads
+the lines the strategies' watchdog prints (`MultiWorkerMirroredStrategy`: every
+60 s that a step waits, and when its timeout ends a process) and adds what they
+said: which processes were still waiting, in which step, for whom (``stopped
+the other 1 process (0 was waiting in step 20 for process 1)``; lines older
+than two intervals are over and left out), or that the first failure was a
+watchdog ending its process (``process 0 exited with code 1 (first failure:
+its watchdog ended it: step 20 did not complete, process 1 did not arrive)``).
+With ``--max-restarts K`` the whole
 group is then started again, with a new coordinator port and
 ``JAXDIST_RESTART_COUNT`` one higher, at most K times; scripts resume from
 their checkpoints. A process that exits with code 0 while others run is
@@ -117,6 +129,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import os
 import signal
 import subprocess
@@ -127,17 +140,20 @@ from typing import TextIO
 
 from jaxdist._launch_config import (
     DEFAULT_KILL_TIMEOUT,
+    ENV_COLLECTIVE_TIMEOUT,
     ENV_COORDINATOR_ADDRESS,
     ENV_LOCAL_DEVICE_COUNT,
     ENV_NUM_PROCESSES,
     ENV_PROCESS_ID,
     ENV_RESTART_COUNT,
+    ENV_WATCHDOG_LOG_INTERVAL,
     LOOPBACK,
     PREEMPTED_EXIT_CODE,
     LaunchConfig,
     child_environment,
     free_port,
     port_in_use,
+    watchdog_report,
 )
 from jaxdist._launch_output import POLL_INTERVAL as POLL_INTERVAL
 from jaxdist._launch_output import Output as Output
@@ -167,10 +183,34 @@ __all__ = [
 ]
 
 _DRAIN_TIMEOUT = 2.0  # seconds to finish copying output after the processes exited
+_LOG_INTERVAL = 60.0  # the strategies' default seconds between watchdog lines
 
 
 def _processes(n: int) -> str:
     return f"{n} process" if n == 1 else f"{n} processes"
+
+
+def _ids(ids: Sequence[int]) -> str:
+    return ("process " if len(ids) == 1 else "processes ") + ", ".join(map(str, ids))
+
+
+def _first_failure(codes: Sequence[int | None]) -> int | None:
+    """Which of the processes that failed since the last look (return codes, ``None`` while
+    running) to report as the first failure: one that exited with a code of its own before
+    one killed by a signal (as the coordination service ends the others, with SIGABRT, when
+    the process hosting it exits), then the lowest id; ``None`` when none failed."""
+    failed = [i for i, code in enumerate(codes) if code not in (None, 0)]
+    return min(failed, key=lambda i: ((codes[i] or 0) < 0, i), default=None)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Report:
+    """The last watchdog line of a process: when it came, and what it said."""
+
+    at: float  # time.monotonic()
+    kind: str  # "waiting" (a periodic line) or "ended" (its watchdog ended it)
+    step: int
+    late: tuple[int, ...]  # the processes that had not reached the step
 
 
 class _StartError(RuntimeError):
@@ -182,9 +222,11 @@ class _Round:
     """How one start of the group ended."""
 
     failure: tuple[int, int] | None = None  # (process id, return code) of the first failure
-    others_stopped: int = 0  # processes still running at the first failure
     signal: int | None = None  # the first signal the launcher got
     preempted: bool = False  # every process exited with PREEMPTED_EXIT_CODE
+    running: tuple[int, ...] = ()  # the processes still running at the first failure
+    at: float = 0.0  # when the first failure was seen (time.monotonic())
+    reports: dict[int, _Report] = dataclasses.field(default_factory=dict)  # by process
 
 
 class _Job:
@@ -193,6 +235,47 @@ class _Job:
     def __init__(self, config: LaunchConfig, output: Output, trap: SignalTrap) -> None:
         self._config, self._output, self._trap = config, output, trap
         self._parent = os.getpid()
+        self._reports: dict[int, _Report] = {}  # of the current start, by process
+        interval = config.watchdog_log_interval
+        if interval is None:
+            try:
+                interval = float(os.environ.get(ENV_WATCHDOG_LOG_INTERVAL, "") or _LOG_INTERVAL)
+            except ValueError:
+                interval = _LOG_INTERVAL
+        # A "waiting" line is repeated every interval while the wait lasts: an older one is over.
+        self._fresh = 2 * (interval or _LOG_INTERVAL) + 5
+
+    def _note(self, rank: int, line: str) -> None:
+        """Keeps what a watchdog line of process ``rank`` says (its stderr, as copied)."""
+        report = watchdog_report(line)
+        if report is not None:
+            self._reports[rank] = _Report(time.monotonic(), *report)
+
+    def _first_failure(self, result: _Round, preempted: bool) -> str:
+        """The launcher's line about the first failure of a start: which process, how it
+        ended, and, where the watchdogs' lines said so, what it and the others waited for."""
+        assert result.failure is not None
+        rank, returncode = result.failure
+        first = "first failure: preempted" if preempted else "first failure"
+        own = result.reports.get(rank)
+        if own is not None and own.kind == "ended":
+            first += f": its watchdog ended it: step {own.step} did not complete"
+            if own.late:
+                first += f", {_ids(own.late)} did not arrive"
+        others = len(result.running)
+        if not others:
+            return f"process {rank} {describe(returncode)} ({first}); no other process was running."
+        waiting = []
+        for i in result.running:
+            report = result.reports.get(i)
+            if report is None or report.kind != "waiting" or not report.late:
+                continue
+            if report.at >= result.at - self._fresh:
+                waiting.append(f"{i} was waiting in step {report.step} for {_ids(report.late)}")
+        stopped = f"stopped the other {_processes(others)}"
+        if waiting:
+            stopped += " (" + "; ".join(waiting) + ")"
+        return f"process {rank} {describe(returncode)} ({first}); {stopped}."
 
     def run(self) -> int:
         config, say = self._config, self._output.message
@@ -215,15 +298,10 @@ class _Job:
                     return PREEMPTED_EXIT_CODE
                 say(f"stopped after {name}.")
                 return 128 + result.signal
-            rank, returncode = result.failure
+            returncode = result.failure[1]
             code = exit_code(returncode)
             preempted = returncode == PREEMPTED_EXIT_CODE
-            others = result.others_stopped
-            stopped = f"stopped the other {_processes(others)}"
-            if not others:
-                stopped = "no other process was running"
-            first = "first failure: preempted" if preempted else "first failure"
-            say(f"process {rank} {describe(returncode)} ({first}); {stopped}.")
+            say(self._first_failure(result, preempted))
             if result.signal is not None or self._trap.received:
                 return code
             restarts += 1
@@ -261,6 +339,7 @@ class _Job:
     def _run_round(self, envs: list[dict[str, str]]) -> _Round:
         config, output, say = self._config, self._output, self._output.message
         procs: list[subprocess.Popen[bytes]] = []
+        self._reports = {}
         try:
             for i, env in enumerate(envs):
                 proc = self._start(env)
@@ -268,7 +347,7 @@ class _Job:
                 prefix = f"[{i}] ".encode() if config.prefix else b""
                 assert proc.stdout is not None and proc.stderr is not None
                 output.add(proc.stdout, output.stdout, prefix)
-                output.add(proc.stderr, output.stderr, prefix)
+                output.add(proc.stderr, output.stderr, prefix, functools.partial(self._note, i))
         except OSError as exc:
             self._finish(procs)
             command = " ".join(config.command())
@@ -294,10 +373,11 @@ class _Job:
                     result.signal, killed = result.signal or sig, True
                     signal_groups(groups, signal.SIGKILL)
                     say(f"received {name} {again}; killed {_processes(len(running))}.")
-            failed = [i for i, code in enumerate(codes) if code not in (None, 0)]
-            if failed and stop_at is None:
-                result.failure = (failed[0], codes[failed[0]] or 0)
-                result.others_stopped, stop_at = len(running), time.monotonic()
+            first = _first_failure(codes)
+            if first is not None and stop_at is None:
+                result.failure = (first, codes[first] or 0)
+                stop_at = time.monotonic()
+                result.running, result.at = tuple(running), stop_at
                 signal_groups(groups, signal.SIGTERM)
             if not running:
                 result.preempted = all(code == PREEMPTED_EXIT_CODE for code in codes)
@@ -315,6 +395,7 @@ class _Job:
                     "after being asked to stop; sent SIGKILL."
                 )
         self._finish(procs)
+        result.reports = dict(self._reports)  # with the processes' last lines
         return result
 
     def _finish(self, procs: list[subprocess.Popen[bytes]]) -> None:
@@ -403,7 +484,12 @@ def _parser(prog: str) -> argparse.ArgumentParser:
         help=f"grace between SIGTERM and SIGKILL (default {DEFAULT_KILL_TIMEOUT:g})")  # fmt: skip
     add("--collective-timeout", type=float, metavar="SECONDS",
         help="end the job when a MultiWorkerMirroredStrategy step does not complete in this "
-        "time: the default CommunicationOptions.timeout_seconds (default: no limit)")  # fmt: skip
+        "time, for strategies whose CommunicationOptions give no timeout_seconds (sets "
+        f"{ENV_COLLECTIVE_TIMEOUT}; default: the strategy's, 1200 s; 0: no limit)")  # fmt: skip
+    add("--watchdog-log-interval", type=float, metavar="SECONDS",
+        help="while a MultiWorkerMirroredStrategy step waits, each waiting process says so "
+        f"every this many seconds (sets {ENV_WATCHDOG_LOG_INTERVAL}; default: the "
+        "strategy's, 60 s; 0: never)")  # fmt: skip
     add("--coordinator-port", "--master-port", type=int, metavar="PORT",
         help="coordinator port on 127.0.0.1 (default: a free one)")  # fmt: skip
     add("--no-prefix", action="store_true", help="do not prefix output lines with '[i] '")
@@ -439,6 +525,7 @@ def _parse(argv: list[str], prog: str) -> LaunchConfig:
             coordinator_port=ns.coordinator_port,
             prefix=not ns.no_prefix,
             collective_timeout=ns.collective_timeout,
+            watchdog_log_interval=ns.watchdog_log_interval,
         )
         child_environment(config, 0, 1)  # e.g. too few GPUs listed: fail before starting
     except ValueError as exc:

@@ -80,9 +80,9 @@ def test_a_step_that_does_not_complete_names_the_late_processes() -> None:
     prefix = dog._prefix
     store.values[f"{prefix}1"] = "3"  # process 1 dispatched steps 0..2; process 2 nothing
     for _ in range(3):
-        dog.dispatched(FakeOutput(ready=True))
+        dog.dispatched(FakeOutput(ready=True), "strategy.run(step)")
     time.sleep(0.1)
-    assert store.values[f"{prefix}0"] == "3"  # published
+    assert store.values[f"{prefix}0"] == "3:strategy.run(step)"  # published
     started = time.monotonic()
     dog.dispatched(FakeOutput(ready=False))  # step 3 never completes
     assert dog.done.wait(10)
@@ -107,7 +107,7 @@ def test_steps_that_complete_in_time_never_trip_it() -> None:
     time.sleep(0.3)
     dog.stop()
     assert events == [] and dog.steps == 5
-    assert store.values[f"{dog._prefix}0"] == "5"
+    assert store.values[f"{dog._prefix}0"] == "5:"
 
 
 @pytest.mark.usefixtures("arrays")
@@ -128,19 +128,23 @@ def test_without_the_store_and_with_everyone_there() -> None:
 
 
 def test_the_default_comes_from_the_launcher(monkeypatch: pytest.MonkeyPatch) -> None:
-    config = LaunchConfig("train.py", nprocs=2, collective_timeout=10)
-    assert child_environment(config, 0, 1, base={})["JAXDIST_COLLECTIVE_TIMEOUT"] == "10"
-    assert "JAXDIST_COLLECTIVE_TIMEOUT" not in child_environment(
-        LaunchConfig("train.py", nprocs=2), 0, 1, base={}
-    )
+    config = LaunchConfig("train.py", nprocs=2, collective_timeout=10, watchdog_log_interval=2)
+    env = child_environment(config, 0, 1, base={})
+    assert env["JAXDIST_COLLECTIVE_TIMEOUT"] == "10"
+    assert env["JAXDIST_WATCHDOG_LOG_INTERVAL"] == "2"
+    plain = child_environment(LaunchConfig("train.py", nprocs=2), 0, 1, base={})
+    assert "JAXDIST_COLLECTIVE_TIMEOUT" not in plain
+    assert "JAXDIST_WATCHDOG_LOG_INTERVAL" not in plain
     with pytest.raises(ValueError, match=r"LaunchConfig\(collective_timeout=-1\) "):
         LaunchConfig("train.py", collective_timeout=-1)
+    with pytest.raises(ValueError, match=r"LaunchConfig\(watchdog_log_interval=-1\) "):
+        LaunchConfig("train.py", watchdog_log_interval=-1)
     monkeypatch.delenv("JAXDIST_COLLECTIVE_TIMEOUT", raising=False)
     assert _default_timeout("where") is None
     monkeypatch.setenv("JAXDIST_COLLECTIVE_TIMEOUT", "7.5")
     assert _default_timeout("where") == 7.5
     monkeypatch.setenv("JAXDIST_COLLECTIVE_TIMEOUT", "0")
-    assert _default_timeout("where") is None
+    assert _default_timeout("where") == 0
     monkeypatch.setenv("JAXDIST_COLLECTIVE_TIMEOUT", "soon")
     with pytest.raises(
         ValueError,
@@ -181,10 +185,13 @@ def test_a_peer_stuck_forever_ends_the_job_naming_it() -> None:
     lines = re.findall(r"^\[0\] jaxdist: MultiWorkerMirroredStrategy: .*$", err, re.M)
     assert lines == [
         "[0] jaxdist: MultiWorkerMirroredStrategy: step 20 did not complete within 10 s "
-        "(CommunicationOptions(timeout_seconds=10)): process 1 (its last step: 19) did not "
-        "arrive; ending process 0 with exit code 1."
+        "(JAXDIST_COLLECTIVE_TIMEOUT=10, the launcher's --collective-timeout): process 1 (its "
+        "last step: 19) did not arrive; ending process 0 with exit code 1."
     ], err[-3000:]
-    assert "jaxdist.launch: process 0 exited with code 1 (first failure)" in err
+    assert (
+        "jaxdist.launch: process 0 exited with code 1 (first failure: its watchdog ended it: "
+        "step 20 did not complete, process 1 did not arrive); stopped the other 1 process.\n"
+    ) in err
     assert "DONE" not in out
 
 

@@ -35,31 +35,43 @@ an uncaught exception in a process, or  that process exits at once, code 1 (the 
                                         the others as for a dead process (under the
                                         launcher: measured 5.2 s, ``--kill-timeout``)
 a process is alive but stuck (a hang,   its heartbeat goes on, so the others wait in their
-a skipped step, a long pause)           collective: with ``timeout_seconds`` (below) the
-                                        watchdog ends them after that time, naming the
-                                        step and the stuck process (measured: 10.7 s
-                                        with T = 10, 2 processes through the launcher);
-                                        without it, on CPU up to XLA's collective
-                                        timeout, 30 min by default
+a skipped step, a long pause)           collective; the watchdog (below, on by default)
+                                        makes each waiting process print, every 60 s,
+                                        the step it waits in and who has not arrived,
+                                        and ends the job after the timeout (default
+                                        1200 s), naming the step and the stuck process
+                                        (measured: 10.7 s with T = 10, 2 processes
+                                        through the launcher)
 ======================================  ==================================================
 
-``CommunicationOptions(timeout_seconds=T)`` (or the launcher's
-``--collective-timeout T``, ``JAXDIST_COLLECTIVE_TIMEOUT``, for strategies
-whose options give none) starts a watchdog in every process of a
-multi-process job (`jaxdist.strategies._watchdog`): the strategy counts its
-steps (every ``run`` / ``function`` call), each process publishes its count
-in `jax.distributed`'s key-value store, and when a step has been in flight
-for ``T`` seconds without completing, the process prints one line, e.g.
-"jaxdist: MultiWorkerMirroredStrategy: step 20 did not complete within 10 s
-(CommunicationOptions(timeout_seconds=10)): process 1 (its last step: 19)
-did not arrive; ending process 0 with exit code 1.", and exits with code 1;
-the launcher (or the heartbeat) ends the others. A stall shorter than ``T``
-passes, and compiling a step does not count, but waiting for a peer that is
-still compiling does. As in TF it must exceed the longest legitimate step.
-On CPU, XLA's collective timeout (``--xla_cpu_collective_timeout_seconds``,
-a process-wide flag read when JAX's backend starts, so the strategy sets it
-as it starts `jax.distributed`) is set to ``T + 10`` s as a backstop.
-``None`` or ``0`` means no watchdog and XLA's default.
+Every process of a multi-process job runs a watchdog
+(`jaxdist.strategies._watchdog`; a one-process job runs none): the strategy
+counts its steps (every program it dispatches: ``run`` / ``function`` /
+training-step calls and the cross-replica operations that dispatch one,
+``reduce``, ``gather``, ``extended.reduce_to`` / ``batch_reduce_to`` /
+``update``, an ``ON_READ`` variable's aggregate; ``experimental_local_results``
+dispatches nothing), and each process publishes its count in
+`jax.distributed`'s key-value store. Every ``S`` seconds that a step stays in
+flight (``JAXDIST_WATCHDOG_LOG_INTERVAL`` or the launcher's
+``--watchdog-log-interval``; default 60, ``0``: no lines) each waiting process
+prints which step it waits in, what that step is and which processes have not
+arrived; when a step has been in flight for ``T`` seconds without completing,
+it prints one line, e.g. "jaxdist: MultiWorkerMirroredStrategy: step 20 did not
+complete within 10 s (CommunicationOptions(timeout_seconds=10)): process 1 (its
+last step: 19) did not arrive; ending process 0 with exit code 1.", and exits
+with code 1; the launcher (or the heartbeat) ends the others. ``T`` is
+``CommunicationOptions(timeout_seconds=T)``, else ``JAXDIST_COLLECTIVE_TIMEOUT``
+(the launcher's ``--collective-timeout T``), else 1200 s (20 min: below XLA's
+own CPU collective timeout of 30 min, far above a first compile); ``0`` turns
+the ending off and keeps the lines. A stall shorter than ``T`` passes, and
+compiling a step does not count (a step counts from its dispatch), but waiting
+for a peer that is still compiling does. As in TF it must exceed the longest
+legitimate step. On CPU, XLA's collective timeout
+(``--xla_cpu_collective_timeout_seconds``, a process-wide flag read when JAX's
+backend starts, so the strategy sets it as it starts `jax.distributed`) is set
+to ``T + 10`` s as a backstop; for the built-in default, only when neither
+``XLA_FLAGS`` nor a started backend has fixed it already (an explicit ``T``
+then raises).
 
 SIGTERM does not stop a process of a `jax.distributed` job: JAX's
 preemption service takes it as a preemption notice
@@ -76,9 +88,11 @@ most ``shutdown_timeout_seconds`` (300 s; ``JAXDIST_SHUTDOWN_TIMEOUT``).
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import re
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -90,7 +104,7 @@ from jaxdist.cluster_resolver import ClusterResolver, initialize, resolve_defaul
 from jaxdist.cluster_resolver.initialize import _backends_initialized, _multi_process_kwargs
 from jaxdist.communication import CommunicationOptions
 from jaxdist.reduce import CrossDeviceOps, cross_device_ops_for
-from jaxdist.strategies._watchdog import Watchdog
+from jaxdist.strategies._watchdog import DEFAULT_LOG_INTERVAL, DEFAULT_TIMEOUT, Watchdog
 from jaxdist.strategy import Strategy
 
 __all__ = ["MultiWorkerMirroredStrategy"]
@@ -101,12 +115,27 @@ _FLAG_PATTERN = re.compile(rf"(?:^|\s){re.escape(_CPU_TIMEOUT_FLAG)}=(\S*)")
 
 
 ENV_COLLECTIVE_TIMEOUT = _launch_config.ENV_COLLECTIVE_TIMEOUT  # --collective-timeout
+ENV_LOG_INTERVAL = _launch_config.ENV_WATCHDOG_LOG_INTERVAL  # --watchdog-log-interval
 _XLA_BACKSTOP = 10  # XLA's CPU collective timeout is the watchdog's plus this
+_DEFAULT_SOURCE = (
+    "the default timeout of a multi-process job; CommunicationOptions(timeout_seconds=T), "
+    f"the launcher's --collective-timeout T or {ENV_COLLECTIVE_TIMEOUT}=T change it, 0 turns "
+    "it off"
+)
+# What a program dispatched by a cross-replica operation is, by the name of the Strategy /
+# StrategyExtended / variable method that dispatches it (through `Strategy._gated`).
+_CROSS_REPLICA = {
+    "reduce": "strategy.reduce",
+    "gather": "strategy.gather",
+    "_reduce_pairs": "strategy.extended.reduce_to / batch_reduce_to",
+    "update": "strategy.extended.update",
+    "_aggregate": "reading an ON_READ variable",
+}
 
 
-def _default_timeout(where: str) -> float | None:
-    """``timeout_seconds`` when the options give none: ``JAXDIST_COLLECTIVE_TIMEOUT``."""
-    raw = os.environ.get(ENV_COLLECTIVE_TIMEOUT, "").strip()
+def _env_seconds(name: str, flag: str, off: str, where: str) -> float | None:
+    """The seconds the environment variable ``name`` gives (``None``: not set; 0: off)."""
+    raw = os.environ.get(name, "").strip()
     if not raw:
         return None
     try:
@@ -115,11 +144,52 @@ def _default_timeout(where: str) -> float | None:
         value = -1.0
     if not 0 <= value < math.inf:
         raise ValueError(
-            f"{where}: the environment variable {ENV_COLLECTIVE_TIMEOUT} (the launcher's "
-            f"--collective-timeout) must be a number of seconds >= 0 (0: no timeout), got "
-            f"{raw!r}."
+            f"{where}: the environment variable {name} (the launcher's {flag}) must be a "
+            f"number of seconds >= 0 (0: {off}), got {raw!r}."
         )
-    return value or None
+    return value
+
+
+def _default_timeout(where: str) -> float | None:
+    """``JAXDIST_COLLECTIVE_TIMEOUT``: the timeout when the options give none (``None``:
+    not set; 0: no timeout)."""
+    return _env_seconds(ENV_COLLECTIVE_TIMEOUT, "--collective-timeout", "no timeout", where)
+
+
+def _watchdog_settings(options: CommunicationOptions, where: str) -> tuple[float, str, float]:
+    """The watchdog's timeout (0: none), where it comes from, and its log interval (0: no
+    lines) for a multi-process job: ``options.timeout_seconds``, else
+    ``JAXDIST_COLLECTIVE_TIMEOUT``, else `DEFAULT_TIMEOUT`; ``JAXDIST_WATCHDOG_LOG_INTERVAL``,
+    else `DEFAULT_LOG_INTERVAL`."""
+    if options.timeout_seconds is not None:
+        timeout = float(options.timeout_seconds)
+        source = f"CommunicationOptions(timeout_seconds={timeout:g})"
+    else:
+        env = _default_timeout(where)
+        if env is None:
+            timeout, source = DEFAULT_TIMEOUT, _DEFAULT_SOURCE
+        else:
+            timeout = env
+            source = f"{ENV_COLLECTIVE_TIMEOUT}={env:g}, the launcher's --collective-timeout"
+    interval = _env_seconds(ENV_LOG_INTERVAL, "--watchdog-log-interval", "no lines", where)
+    return timeout, source, DEFAULT_LOG_INTERVAL if interval is None else interval
+
+
+def _program_name(call: Callable[..., Any]) -> str:
+    """What a compiled program is, for the watchdog's lines: ``strategy.run(fn)`` for
+    `Program`'s ``jaxdist_<fn>``, ``train_step(fn)`` for ``jaxdist_train_step_<fn>``."""
+    candidates = [call]
+    for cell in getattr(call, "__closure__", None) or ():
+        with contextlib.suppress(ValueError):  # an empty cell
+            candidates.append(cell.cell_contents)
+    for candidate in candidates:
+        name = getattr(candidate, "__name__", None)
+        if isinstance(name, str) and name.startswith("jaxdist_"):
+            name = name.removeprefix("jaxdist_")
+            if name.startswith("train_step_"):
+                return f"train_step({name.removeprefix('train_step_')})"
+            return f"strategy.run({name})"
+    return "a compiled step"
 
 
 def _flag_value(xla_flags: str) -> str | None:
@@ -134,13 +204,17 @@ def _with_flag(xla_flags: str, seconds: int) -> str:
     return " ".join([*kept, f"{_CPU_TIMEOUT_FLAG}={seconds}"])
 
 
-def _set_collective_timeout(timeout_seconds: float | None, where: str) -> None:
+def _set_collective_timeout(
+    timeout_seconds: float | None, where: str, *, default: bool = False
+) -> None:
     """Makes XLA's CPU collectives fail ``_XLA_BACKSTOP`` seconds after the watchdog's
     ``timeout_seconds`` (a backstop: the watchdog's line comes first).
 
     The limit is a process-wide XLA flag read when JAX's backend starts, so it
     is set in ``XLA_FLAGS`` before that; ``None`` or ``0`` leaves XLA's default.
-    Once the backend runs, the same limit is accepted and another one raises.
+    Once the backend runs, the same limit is accepted and another one raises;
+    for the built-in default (``default``), a limit the user set in ``XLA_FLAGS``
+    or a started backend leaves XLA's limit as it is.
 
     Raises:
         RuntimeError: JAX's backend already started with another limit.
@@ -150,6 +224,8 @@ def _set_collective_timeout(timeout_seconds: float | None, where: str) -> None:
     seconds = math.ceil(timeout_seconds) + _XLA_BACKSTOP
     flags = os.environ.get("XLA_FLAGS", "")
     if _flag_value(flags) == str(seconds):
+        return
+    if default and (_flag_value(flags) is not None or _backends_initialized()):
         return
     if _backends_initialized():
         current = _flag_value(flags)
@@ -237,18 +313,27 @@ class MultiWorkerMirroredStrategy(Strategy):
                 f"CommunicationOptions, got {type(communication_options).__name__}."
             )
         resolver = cluster_resolver if cluster_resolver is not None else resolve_default()
-        timeout = communication_options.timeout_seconds or _default_timeout(where)
         multi_process = resolver is not None and _multi_process_kwargs(resolver) is not None
+        timeout, source, interval = 0.0, "", 0.0
+        if multi_process:  # cross-process collectives: watched
+            timeout, source, interval = _watchdog_settings(communication_options, where)
+            default = source == _DEFAULT_SOURCE
+            _set_collective_timeout(timeout, where, default=default)
         if resolver is not None:
-            if multi_process and timeout:  # cross-process collectives
-                _set_collective_timeout(timeout, where)
             initialize(resolver)
         devices, processes, local = _grid()
         ops: CrossDeviceOps = cross_device_ops_for(communication_options, AXES)
         watchdog = None
-        client = distributed_client() if multi_process and timeout else None
-        if client is not None and timeout:
-            watchdog = Watchdog(timeout, client, jax.process_index(), jax.process_count())
+        client = distributed_client() if multi_process and (timeout or interval) else None
+        if client is not None:
+            watchdog = Watchdog(
+                timeout or None,
+                client,
+                jax.process_index(),
+                jax.process_count(),
+                log_interval=interval or None,
+                source=source,
+            )
         object.__setattr__(self, "_watchdog", watchdog)
         object.__setattr__(self, "_cluster_resolver", resolver)
         object.__setattr__(self, "_communication_options", communication_options)
@@ -259,7 +344,19 @@ class MultiWorkerMirroredStrategy(Strategy):
     ) -> Callable[[tuple[Any, ...], dict[str, Any]], Any]:
         """The base per-call path; with a watchdog, each call counts as a step it watches."""
         caller = super()._caller(call)
-        return caller if self._watchdog is None else self._watchdog.wrap(caller)
+        if self._watchdog is None:
+            return caller
+        return self._watchdog.wrap(caller, _program_name(call))
+
+    def _gated(self, thunk: Callable[[], Any]) -> Any:
+        """The base path of cross-replica operations; with a watchdog, one that dispatches
+        a program (its output holds a concrete array) counts as a step it watches."""
+        out = super()._gated(thunk)
+        if self._watchdog is not None:
+            caller = sys._getframe(1).f_code.co_name
+            what = _CROSS_REPLICA.get(caller, f"cross-replica {caller}")
+            self._watchdog.dispatched_if_any(out, what)
+        return out
 
     def _extra_key(self) -> tuple[Any, ...]:
         return (self._communication_options,)

@@ -21,8 +21,11 @@ plainly that it does not:
   job when a step does not complete within that time, naming the step and
   the processes that did not reach it (on every backend; on CPU, XLA's
   ``--xla_cpu_collective_timeout_seconds`` is also set, 10 s later, as a
-  backstop). Other strategies and per-call options carry the value without
-  enforcing it.
+  backstop). ``None`` means the default: the launcher's ``--collective-timeout``
+  / ``JAXDIST_COLLECTIVE_TIMEOUT`` if set, else 1200 s; ``0`` means no timeout.
+  Either way, while a step waits each process prints a line every 60 s
+  naming it and the processes that have not arrived. Other strategies and
+  per-call options carry the value without enforcing it.
 
 `CollectiveHints` is TF's deprecated spelling; it warns and returns a
 `CommunicationOptions`.
@@ -124,7 +127,8 @@ class CommunicationOptions:
             XLA's combiner batch them; ``> 0`` concatenates same-dtype tensors,
             in order, into buffers of at least this many bytes and reduces one
             buffer per collective.
-        timeout_seconds: ``None`` or seconds (``0``: no limit). Given to a
+        timeout_seconds: ``None`` (the default, 1200 s in a multi-process job) or
+            seconds (``0``: no limit). Given to a
             multi-process `MultiWorkerMirroredStrategy`, how long a step may
             take before its watchdog ends the job, naming the processes that
             did not reach it (see the module docstring); elsewhere carried,

@@ -56,20 +56,25 @@ def _by_value(fn: Any) -> list[Any]:
     out = []
     for f in (fn, getattr(fn, "__wrapped__", None), getattr(fn, "fn", None)):
         name = getattr(f, "__module__", None)
-        module = sys.modules.get(name) if name else None
-        if module is None or name == "__main__" or name.split(".")[0] in _BY_REFERENCE:
+        module = sys.modules.get(name) if isinstance(name, str) else None
+        if module is None or name == "__main__" or module.__name__.split(".")[0] in _BY_REFERENCE:
             continue
-        if name.split(".")[0] in sys.stdlib_module_names:
+        if module.__name__.split(".")[0] in sys.stdlib_module_names:
             continue
         path = getattr(module, "__file__", None) or ""
         if "site-packages" in path or "dist-packages" in path:
             continue
-        out.append(module)
+        if module not in out:
+            out.append(module)
     return out
 
 
+def _registered() -> Any:
+    return getattr(cloudpickle.cloudpickle, "_PICKLE_BY_VALUE_MODULES", set())
+
+
 def _pickled(obj: Any, fn: Any) -> bytes:
-    modules = _by_value(fn)
+    modules = [m for m in _by_value(fn) if m.__name__ not in _registered()]
     for m in modules:
         cloudpickle.register_pickle_by_value(m)
     try:
@@ -106,7 +111,7 @@ class ClusterCoordinator:
                 self = super().__new__(cls)
                 self._start(strategy)
                 holder.coordinator = self
-            return holder.coordinator  # type: ignore[no-any-return]
+            return holder.coordinator
 
     def __init__(self, strategy: Any) -> None:  # everything is done once, in __new__
         pass
@@ -164,10 +169,14 @@ class ClusterCoordinator:
         if kwargs is not None and not isinstance(kwargs, dict):
             raise TypeError(f"{where}: kwargs must be a dict, got {type(kwargs).__name__}.")
         structure = (tuple(args), dict(kwargs or {}))
-        leaves = jax.tree_util.tree_flatten_with_path(
-            structure, is_leaf=lambda x: isinstance(x, RemoteValue)
-        )[0]
-        bad = [jax.tree_util.keystr(p) for p, x in leaves if isinstance(x, RemoteValue)]
+        bad = [
+            label + jax.tree_util.keystr(p)
+            for label, tree in zip(("args", "kwargs"), structure, strict=True)
+            for p, x in jax.tree_util.tree_flatten_with_path(
+                tree, is_leaf=lambda x: isinstance(x, RemoteValue)
+            )[0]
+            if isinstance(x, RemoteValue)
+        ]
         if bad:
             raise ValueError(
                 f"{where}: a RemoteValue cannot be an argument (at {', '.join(bad)}): its value "

@@ -138,6 +138,13 @@ class ParameterServerStrategy:
         "_partitioner",
         "_resolver",
     )
+    _coordinator: _CoordinatorHolder
+    _extended: ParameterServerStrategyExtended
+    _ids: Iterator[int]
+    _names: dict[str, int]
+    _next_ps: Iterator[int]
+    _partitioner: Any
+    _resolver: Any
 
     def __init__(self, cluster_resolver: Any, variable_partitioner: Any = None) -> None:
         num_workers, num_ps = task_counts(cluster_resolver)

@@ -117,7 +117,7 @@ class ParameterServerVariable(ReadsLikeAnArray):
     def read_value(self) -> np.ndarray:
         """The current value, read from the parameter server."""
         try:
-            return ray.get(self._actor.read.remote([self._id]))[0]  # type: ignore[no-any-return]
+            return ray.get(self._actor.read.remote([self._id]))[0]
         except RayActorError as e:
             raise unavailable(self._task, e) from e
 

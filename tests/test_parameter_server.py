@@ -9,6 +9,10 @@ closures (integers).
 from __future__ import annotations
 
 import concurrent.futures
+import os
+import signal
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -28,6 +32,8 @@ from jaxdist.experimental.coordinator import (  # noqa: E402
     RemoteValue,
 )
 from jaxdist.experimental.partitioners import FixedShardsPartitioner  # noqa: E402
+
+from _helpers import REPO  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -134,7 +140,9 @@ def test_schedule_refuses_uncompiled_functions_and_remote_values(strategy: Any) 
     with pytest.raises(TypeError, match=r"schedule.*strategy\.function"):
         c.schedule(lambda x: x, args=(1.0,))
     rv = c.schedule(jax.jit(lambda x: x * 2), args=(np.float32(3.0),))
-    with pytest.raises(ValueError, match=r"RemoteValue cannot be an argument \(at args\[0\]\['k'\]"):
+    with pytest.raises(
+        ValueError, match=r"RemoteValue cannot be an argument \(at args\[0\]\['k'\]"
+    ):
         c.schedule(jax.jit(lambda x: x), args=({"k": rv},))
     c.join()
     assert c.done()
@@ -302,3 +310,72 @@ def test_dead_parameter_server_surfaces(ray_runtime: None) -> None:
             np.asarray(v)
     finally:
         s._shutdown()
+
+
+def test_server_joins_this_machine_as_a_task(ray_runtime: None, tmp_path: Any) -> None:
+    """TF's two-machine set-up on localhost: a second process runs jd.Server for worker 0;
+    the strategy places that task's actor on the node the Server started."""
+    head = ray.get_runtime_context().gcs_address
+    code = (
+        "import sys\n"
+        "from jaxdist.experimental.parameter_server.server import Server\n"
+        "spec = {'chief': [sys.argv[1]], 'worker': ['w0'], 'ps': ['p0']}\n"
+        "server = Server(spec, job_name='worker', task_index=0, config={'num-cpus': 0})\n"
+        "print('target', server.target, flush=True)\n"
+        "server.join()\n"
+    )
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+    }
+    log = open(tmp_path / "server.log", "w")  # noqa: SIM115 - closed in finally
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code, head],
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    s = None
+    try:
+        deadline = time.monotonic() + 120
+        while "jaxdist_worker_0" not in ray.cluster_resources():
+            assert proc.poll() is None, (tmp_path / "server.log").read_text()[-3000:]
+            assert time.monotonic() < deadline, "the Server's node did not join in 120 s"
+            time.sleep(0.5)
+        server_node = next(
+            n["NodeID"] for n in ray.nodes() if n["Alive"] and "jaxdist_worker_0" in n["Resources"]
+        )
+        s = jd.experimental.ParameterServerStrategy(_resolver(1, 1))
+        assert ray.get(s.extended.worker_actors[0].node_id.remote()) == server_node
+        with s.scope():
+            v = jd.Variable(jnp.zeros(2), aggregation="sum")
+        c = ClusterCoordinator(s)
+        rv = c.schedule(
+            s.function(lambda ctx, v, x: (ctx.assign_add(v, x), x * 2)),
+            args=(v, np.ones(2, np.float32)),
+        )
+        c.join()
+        np.testing.assert_array_equal(rv.fetch()[1], [2.0, 2.0])
+        np.testing.assert_array_equal(np.asarray(v), [1.0, 1.0])
+        assert f"target {head}" in (tmp_path / "server.log").read_text()
+    finally:
+        if s is not None:
+            s._shutdown()
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=90)
+        log.close()
+
+
+def test_server_arguments() -> None:
+    from jaxdist.experimental.parameter_server.server import Server
+
+    spec = {"chief": ["127.0.0.1:1"], "worker": ["a", "b"], "ps": ["p"]}
+    with pytest.raises(ValueError, match="job_name must be given"):
+        Server(spec, start=False)
+    with pytest.raises(ValueError, match="task_index must be given: job 'worker' has 2 tasks"):
+        Server(spec, job_name="worker", start=False)
+    with pytest.raises(ValueError, match="protocol='grpc' is not supported"):
+        Server(spec, job_name="ps", protocol="grpc", start=False)
+    server = Server(spec, job_name="worker", task_index=1, start=False)
+    assert server.target == "127.0.0.1:1" and server.resource == "jaxdist_worker_1"

@@ -8,6 +8,7 @@ parameter-server actor), ``worker`` (the worker actor), ``coordinator`` (schedul
 """
 
 from jaxdist.experimental.parameter_server.coordinator import ClusterCoordinator
+from jaxdist.experimental.parameter_server.server import Server
 from jaxdist.experimental.parameter_server.strategy import ParameterServerStrategy
 from jaxdist.experimental.parameter_server.values import (
     ClosureCancelledError,
@@ -28,5 +29,6 @@ __all__ = [
     "ParameterServerVariable",
     "PerWorkerValues",
     "RemoteValue",
+    "Server",
     "ShardedParameterServerVariable",
 ]

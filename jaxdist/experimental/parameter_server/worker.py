@@ -50,6 +50,10 @@ class Worker:
     def ping(self) -> int:
         return os.getpid()
 
+    def node_id(self) -> str:
+        """The Ray node this task runs on."""
+        return str(ray.get_runtime_context().get_node_id())
+
     def run(self, fn_key: str, fn_ref: list[Any], args: Any, kwargs: Any) -> Any:
         fn = self._functions.get(fn_key)
         if fn is None:

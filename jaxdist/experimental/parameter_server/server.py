@@ -35,7 +35,7 @@ def _spec(server_or_cluster_def: Any) -> ClusterSpec:
         return ClusterSpec(server_or_cluster_def)
     get_spec = getattr(server_or_cluster_def, "cluster_spec", None)
     if callable(get_spec):
-        return get_spec()  # type: ignore[no-any-return]
+        return get_spec()
     raise TypeError(
         f"{_WHERE}(server_or_cluster_def=...): expected a ClusterSpec, a dict such as "
         '{"chief": ["head-host:6379"], "worker": [...], "ps": [...]} or a cluster resolver, '

@@ -35,7 +35,12 @@ from jaxdist.experimental.partitioners import FixedShardsPartitioner  # noqa: E4
 
 from _helpers import REPO  # noqa: E402
 
-pytestmark = pytest.mark.slow
+# Ray and the Server test start processes with subprocess (fork, then exec at once), which
+# JAX warns about once its backend runs; it does not apply to fork + exec.
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.filterwarnings(r"ignore:os\.fork\(\) was called:RuntimeWarning"),
+]
 
 
 def _resolver(workers: int, ps: int) -> jd.cluster_resolver.SimpleClusterResolver:

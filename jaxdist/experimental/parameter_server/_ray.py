@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import pathlib
+import warnings
 from typing import Any
 
 try:
@@ -54,6 +55,14 @@ def ensure_ray() -> None:
     """Starts a local Ray runtime (loopback, no dashboard) unless one is already running."""
     if ray.is_initialized():
         return
+    with warnings.catch_warnings():
+        # Ray starts its processes with subprocess (fork, then exec at once): JAX's warning
+        # about forking a multithreaded process does not apply.
+        warnings.filterwarnings("ignore", "os.fork", RuntimeWarning)
+        _init()
+
+
+def _init() -> None:
     ray.init(
         address=os.environ.get("RAY_ADDRESS") or "local",
         include_dashboard=False,

@@ -292,9 +292,11 @@ def test_on_read_and_only_first_replica_counts(strategy: Any) -> None:
     assert int(on_read) == 20 and float(first) == 20.0
 
 
-def test_dead_parameter_server_surfaces(ray_runtime: None) -> None:
+def test_dead_parameter_server_surfaces(strategy: Any) -> None:
     s = jd.experimental.ParameterServerStrategy(_resolver(1, 1))
     try:
+        with pytest.raises(ValueError, match=r"function\(\) of another strategy"):
+            ClusterCoordinator(s).schedule(strategy.function(lambda ctx: 1.0))
         with s.scope():
             v = jd.Variable(jnp.zeros(2), aggregation="sum")
         c = ClusterCoordinator(s)

@@ -6,8 +6,10 @@ running (``ray.init(address=...)`` for a cluster), and otherwise starts a local 
 loopback with the dashboard off. It never shuts Ray down: the runtime is the caller's.
 
 Actors do not inherit the driver's ``sys.path``, so every actor gets a ``runtime_env`` whose
-``PYTHONPATH`` leads with the directory this jaxdist was imported from; its JAX runs on the
-CPU with one device and few threads unless the caller's environment says otherwise.
+``PYTHONPATH`` leads with the directory this jaxdist was imported from. Its JAX runs on the
+CPU with one device and one thread by default; set ``JAXDIST_PS_<NAME>`` in the
+coordinator's environment to change variable ``<NAME>`` of `_JAX_ENV` for the actors (for
+example ``JAXDIST_PS_JAX_PLATFORMS=cuda`` for workers with GPUs).
 """
 
 from __future__ import annotations
@@ -40,8 +42,9 @@ __all__ = [
 # The directory holding the `jaxdist` package this process imported.
 _ROOT = str(pathlib.Path(__file__).resolve().parents[3])
 
-# JAX settings for actors: CPU, one device, few threads (a parameter server or worker task
-# shares its machine with others). The caller's environment overrides each of them.
+# JAX settings for actors: CPU, one device, one thread (a parameter server or worker task
+# shares its machine with others). JAXDIST_PS_<NAME> in the caller's environment overrides
+# <NAME>.
 _JAX_ENV = {
     "JAX_PLATFORMS": "cpu",
     "JAX_NUM_CPU_DEVICES": "1",

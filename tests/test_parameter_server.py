@@ -290,6 +290,12 @@ def test_on_read_and_only_first_replica_counts(strategy: Any) -> None:
         c.schedule(count, args=(on_read, first))
     c.join()
     assert int(on_read) == 20 and float(first) == 20.0
+    # A plain jax.jit closure updates variables through their own methods.
+    add = jax.jit(lambda v, x: v.assign_add(x))
+    for _ in range(5):
+        c.schedule(add, args=(first, np.float32(2.0)))
+    c.join()
+    assert float(first) == 30.0
 
 
 def test_dead_parameter_server_surfaces(strategy: Any) -> None:

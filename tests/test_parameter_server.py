@@ -392,3 +392,22 @@ def test_server_arguments() -> None:
         Server(spec, job_name="ps", protocol="grpc", start=False)
     server = Server(spec, job_name="worker", task_index=1, start=False)
     assert server.target == "127.0.0.1:1" and server.resource == "jaxdist_worker_1"
+
+
+def test_every_worker_gone_fails_the_queue(ray_runtime: None) -> None:
+    """A worker killed for good (no restart) gives its closures to the others; with none
+    left, queued closures fail and join says so."""
+    s = jd.experimental.ParameterServerStrategy(_resolver(1, 1))
+    try:
+        c = ClusterCoordinator(s)
+        noop = jax.jit(lambda x: x + 1)
+        assert float(c.schedule(noop, args=(np.float32(1.0),)).fetch()) == 2.0
+        ray.kill(s.extended.worker_actors[0], no_restart=True)
+        pending = [c.schedule(noop, args=(np.float32(1.0),)) for _ in range(3)]
+        with pytest.raises(RuntimeError, match=r"every worker task \(/job:worker\) is gone"):
+            c.join()
+        for r in pending:
+            with pytest.raises(RuntimeError, match="every worker task"):
+                r.fetch()
+    finally:
+        s._shutdown()

@@ -42,6 +42,15 @@ if TYPE_CHECKING:  # the table below, spelled out for type checkers and IDEs
         ReplicaContext,
         get_replica_context,
     )
+    from jaxdist.experimental import (
+        coordinator,
+    )
+    from jaxdist.experimental.parameter_server.server import (
+        Server,
+    )
+    from jaxdist.experimental.parameter_server.strategy import (
+        ParameterServerStrategy,
+    )
     from jaxdist.extended import (
         StrategyExtended,
     )
@@ -128,10 +137,12 @@ _PUBLIC: dict[str, str] = {
     "MultiWorkerMirroredStrategy": "jaxdist.strategies.multi_worker",
     "NcclAllReduce": "jaxdist.reduce",
     "OneDeviceStrategy": "jaxdist.strategies.one_device",
+    "ParameterServerStrategy": "jaxdist.experimental.parameter_server.strategy",
     "PerReplica": "jaxdist.values",
     "ReduceOp": "jaxdist._reduce_op",
     "ReductionToOneDevice": "jaxdist.reduce",
     "ReplicaContext": "jaxdist.context",
+    "Server": "jaxdist.experimental.parameter_server.server",
     "RunOptions": "jaxdist.options",
     "Strategy": "jaxdist.strategy",
     "StrategyExtended": "jaxdist.extended",
@@ -142,6 +153,7 @@ _PUBLIC: dict[str, str] = {
     "VariableSynchronization": "jaxdist.variables._meta",
     "accumulate_gradients": "jaxdist.training.accumulate",
     "compute_average_loss": "jaxdist.training.losses",
+    "coordinator": "jaxdist.experimental",
     "experimental_set_strategy": "jaxdist._scope",
     "fit": "jaxdist.training.fit",
     "get_replica_context": "jaxdist.context",

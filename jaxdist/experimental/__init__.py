@@ -1,4 +1,13 @@
-"""Experimental names, as in ``tf.distribute.experimental``."""
+"""Experimental names, as in ``tf.distribute.experimental``.
+
+``ParameterServerStrategy`` and the ``coordinator`` module need Ray (the ``[ps]`` extra);
+they are imported when first used.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
 
 from jaxdist._programs import set_program_cache_size
 from jaxdist.communication import (
@@ -22,11 +31,32 @@ __all__ = [
     "CommunicationImplementation",
     "CommunicationOptions",
     "MultiWorkerMirroredStrategy",
+    "ParameterServerStrategy",
     "PreemptionCheckpointHandler",
     "ShardedVariable",
     "TPUStrategy",
     "TerminationConfig",
     "ValueContext",
+    "coordinator",
     "partitioners",
     "set_program_cache_size",
 ]
+
+
+# Names that need Ray, loaded on first use (PEP 562): importing jaxdist.experimental does not
+# import Ray.
+_LAZY = {
+    "ParameterServerStrategy": "jaxdist.experimental.parameter_server.strategy",
+    "coordinator": None,  # the module jaxdist.experimental.coordinator
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _LAZY:
+        raise AttributeError(f"module 'jaxdist.experimental' has no attribute {name!r}")
+    home = _LAZY[name]
+    if home is None:
+        return importlib.import_module(f"jaxdist.experimental.{name}")
+    value = getattr(importlib.import_module(home), name)
+    globals()[name] = value
+    return value

@@ -117,6 +117,12 @@ class Variable(ReadsLikeAnArray):
     _meta: _Meta
 
     def __new__(cls, *args: Any, partitioner: Any = None, **kwargs: Any) -> Any:
+        # A strategy that keeps variables elsewhere (ParameterServerStrategy: on parameter
+        # server tasks) creates them itself; the result is not a Variable, so __init__ is
+        # skipped.
+        creator = getattr(current_state().strategy, "_create_variable", None)
+        if creator is not None:
+            return creator(*args, partitioner=partitioner, **kwargs)
         if partitioner is None:
             return super().__new__(cls)
         # A ShardedVariable (not a Variable: __init__ is then skipped), or a Variable built

@@ -1,0 +1,84 @@
+"""Ray for the parameter-server strategy (private): the import, a loopback runtime, and the
+environment every jaxdist actor starts with.
+
+Ray is the optional extra ``jaxdist[ps]``. jaxdist uses the caller's Ray runtime when one is
+running (``ray.init(address=...)`` for a cluster), and otherwise starts a local one bound to
+loopback with the dashboard off. It never shuts Ray down: the runtime is the caller's.
+
+Actors do not inherit the driver's ``sys.path``, so every actor gets a ``runtime_env`` whose
+``PYTHONPATH`` leads with the directory this jaxdist was imported from. Its JAX runs on the
+CPU with one device and one thread by default; set ``JAXDIST_PS_<NAME>`` in the
+coordinator's environment to change variable ``<NAME>`` of `_JAX_ENV` for the actors (for
+example ``JAXDIST_PS_JAX_PLATFORMS=cuda`` for workers with GPUs).
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import warnings
+from typing import Any
+
+try:
+    import ray
+    from ray import cloudpickle
+    from ray.exceptions import ActorDiedError, RayActorError, RayTaskError
+except ImportError as e:  # pragma: no cover - exercised only without the extra
+    raise ImportError(
+        "jaxdist's ParameterServerStrategy runs on Ray, which is not installed; install the "
+        "extra: pip install 'jaxdist[ps]'."
+    ) from e
+
+__all__ = [
+    "ActorDiedError",
+    "RayActorError",
+    "RayTaskError",
+    "actor_env",
+    "cloudpickle",
+    "ensure_ray",
+    "ray",
+]
+
+# The directory holding the `jaxdist` package this process imported.
+_ROOT = str(pathlib.Path(__file__).resolve().parents[3])
+
+# JAX settings for actors: CPU, one device, one thread (a parameter server or worker task
+# shares its machine with others). JAXDIST_PS_<NAME> in the caller's environment overrides
+# <NAME>.
+_JAX_ENV = {
+    "JAX_PLATFORMS": "cpu",
+    "JAX_NUM_CPU_DEVICES": "1",
+    "XLA_FLAGS": "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1",
+    "OMP_NUM_THREADS": "1",
+    "TF_CPP_MIN_LOG_LEVEL": "2",
+}
+
+
+def ensure_ray() -> None:
+    """Starts a local Ray runtime (loopback, no dashboard) unless one is already running."""
+    if ray.is_initialized():
+        return
+    with warnings.catch_warnings():
+        # Ray starts its processes with subprocess (fork, then exec at once): JAX's warning
+        # about forking a multithreaded process does not apply.
+        warnings.filterwarnings("ignore", "os.fork", RuntimeWarning)
+        _init()
+
+
+def _init() -> None:
+    ray.init(
+        address=os.environ.get("RAY_ADDRESS") or "local",
+        include_dashboard=False,
+        _node_ip_address="127.0.0.1",
+        configure_logging=False,
+        log_to_driver=True,
+    )
+
+
+def actor_env(overrides: dict[str, str] | None = None) -> dict[str, Any]:
+    """The ``runtime_env`` of a jaxdist actor: this jaxdist on its path, JAX on the CPU."""
+    env = {k: os.environ.get(f"JAXDIST_PS_{k}", v) for k, v in _JAX_ENV.items()}
+    path = [_ROOT, *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
+    env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(path))
+    env.update(overrides or {})
+    return {"env_vars": env}

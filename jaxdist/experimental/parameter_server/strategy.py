@@ -1,0 +1,321 @@
+"""`ParameterServerStrategy`: variables on parameter-server tasks, steps on worker tasks.
+
+TF's ``tf.distribute.experimental.ParameterServerStrategy`` on Ray. The cluster is a
+`jaxdist.cluster_resolver.ClusterResolver` with ``worker`` and ``ps`` jobs (addresses are
+labels; ``rpc_layer="ray"``); the strategy starts one Ray actor per task in the caller's
+Ray runtime (a local one, loopback only, if none is running) and never shuts Ray down.
+
+Variables created in its ``scope()`` live on the ``ps`` tasks, placed round-robin per
+variable, or per shard when ``variable_partitioner`` splits them; functions made with
+``strategy.function`` run on the workers, asynchronously, through a
+`jaxdist.experimental.coordinator.ClusterCoordinator`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import itertools
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+
+from jaxdist._scope import strategy_scope
+from jaxdist.experimental.parameter_server._cluster import task_counts, task_device
+from jaxdist.experimental.parameter_server._ray import actor_env, ensure_ray, ray
+from jaxdist.experimental.parameter_server.ps import ParameterServer
+from jaxdist.experimental.parameter_server.variables import (
+    ParameterServerVariable,
+    ShardedParameterServerVariable,
+    unavailable,
+)
+from jaxdist.experimental.parameter_server.worker import Worker
+from jaxdist.options import RunOptions
+from jaxdist.variables._dtypes import initial_array
+from jaxdist.variables._meta import VariableAggregation, VariableSynchronization
+from jaxdist.variables._sharded import _shard_count, div_rows
+
+__all__ = ["ParameterServerStrategy", "ParameterServerStrategyExtended", "ScheduledFunction"]
+
+Sync = VariableSynchronization
+Agg = VariableAggregation
+
+
+def task_resource(job: str, index: int) -> str:
+    """The Ray custom resource a `jaxdist.Server` node offers for the task ``job:index``."""
+    return f"jaxdist_{job}_{index}"
+
+
+class ScheduledFunction:
+    """``strategy.function(fn)``: ``fn(ctx, *args)``, compiled on the worker that runs it.
+
+    Pass it to `ClusterCoordinator.schedule`; only the function and its options travel.
+    """
+
+    __slots__ = ("fn", "options", "strategy")
+
+    def __init__(self, fn: Callable[..., Any], options: RunOptions | None, strategy: Any) -> None:
+        self.fn = fn
+        self.options = options
+        self.strategy = strategy
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (ScheduledFunction, (self.fn, self.options, None))
+
+    def _compile(self, local_strategy: Any) -> Any:
+        """The function compiled for ``local_strategy`` (on the worker)."""
+        return local_strategy.function(self.fn, options=self.options)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError(
+            f"ParameterServerStrategy.function({getattr(self.fn, '__name__', 'fn')}): the "
+            "function runs on the workers. Schedule it: "
+            "ClusterCoordinator(strategy).schedule(fn, args=(...)), then .fetch() the result."
+        )
+
+
+@dataclasses.dataclass
+class _CoordinatorHolder:
+    lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
+    coordinator: Any = None
+
+
+class ParameterServerStrategyExtended:
+    """``strategy.extended``: the actors of the tasks, in task order, and their devices."""
+
+    __slots__ = ("_ps", "_workers")
+
+    def __init__(self, workers: tuple[Any, ...], ps: tuple[Any, ...]) -> None:
+        self._workers = workers
+        self._ps = ps
+
+    @property
+    def worker_actors(self) -> tuple[Any, ...]:
+        """The Ray actor handle of each ``worker`` task."""
+        return self._workers
+
+    @property
+    def ps_actors(self) -> tuple[Any, ...]:
+        """The Ray actor handle of each ``ps`` task."""
+        return self._ps
+
+    @property
+    def parameter_devices(self) -> tuple[str, ...]:
+        return tuple(task_device("ps", i) for i in range(len(self._ps)))
+
+    @property
+    def worker_devices(self) -> tuple[str, ...]:
+        return tuple(task_device("worker", i) for i in range(len(self._workers)))
+
+
+class ParameterServerStrategy:
+    """Asynchronous training with variables on parameter servers (TF's
+    ``ParameterServerStrategy``), on Ray.
+
+    Args:
+        cluster_resolver: a `jaxdist.cluster_resolver.ClusterResolver` whose cluster has
+            ``worker`` and ``ps`` jobs and at most one ``chief`` (this process).
+        variable_partitioner: an optional partitioner (such as
+            `jaxdist.experimental.partitioners.FixedShardsPartitioner`) splitting
+            variables created in the scope along their first axis; each shard is placed
+            on a parameter server in turn.
+
+    Raises:
+        ValueError: the cluster is not a parameter-server cluster (TF's checks), before
+            any actor starts.
+
+    The strategy is immutable and hashable (by identity: it owns its actors).
+    """
+
+    __slots__ = (
+        "_coordinator",
+        "_extended",
+        "_ids",
+        "_names",
+        "_next_ps",
+        "_partitioner",
+        "_resolver",
+    )
+    _coordinator: _CoordinatorHolder
+    _extended: ParameterServerStrategyExtended
+    _ids: Iterator[int]
+    _names: dict[str, int]
+    _next_ps: Iterator[int]
+    _partitioner: Any
+    _resolver: Any
+
+    def __init__(self, cluster_resolver: Any, variable_partitioner: Any = None) -> None:
+        num_workers, num_ps = task_counts(cluster_resolver)
+        if variable_partitioner is not None and not callable(variable_partitioner):
+            raise TypeError(
+                "ParameterServerStrategy(variable_partitioner=...): expected a partitioner "
+                "such as jd.experimental.partitioners.FixedShardsPartitioner(2), got "
+                f"{type(variable_partitioner).__name__}."
+            )
+        ensure_ray()
+        resources = ray.cluster_resources()
+        ps = tuple(self._actor(ParameterServer, "ps", i, resources, 0) for i in range(num_ps))
+        workers = tuple(self._actor(Worker, "worker", i, resources, -1) for i in range(num_workers))
+        ray.get([a.ping.remote() for a in (*ps, *workers)])  # started, or raise now
+        s = object.__setattr__
+        s(self, "_resolver", cluster_resolver)
+        s(self, "_partitioner", variable_partitioner)
+        s(self, "_extended", ParameterServerStrategyExtended(workers, ps))
+        s(self, "_coordinator", _CoordinatorHolder())
+        s(self, "_ids", itertools.count())
+        s(self, "_next_ps", itertools.count())
+        s(self, "_names", {})
+
+    @staticmethod
+    def _actor(cls: type, job: str, index: int, resources: dict[str, Any], restarts: int) -> Any:
+        resource = task_resource(job, index)
+        options: dict[str, Any] = {
+            "num_cpus": 0,
+            "max_restarts": restarts,
+            "max_task_retries": 0,
+            "runtime_env": actor_env(),
+        }
+        if resource in resources:  # a jaxdist.Server joined the cluster as this task
+            options["resources"] = {resource: 1}
+        return ray.remote(cls).options(**options).remote(index)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise dataclasses.FrozenInstanceError("ParameterServerStrategy is immutable")
+
+    def __repr__(self) -> str:
+        ext = self._extended
+        return f"ParameterServerStrategy(workers={len(ext.worker_actors)}, ps={len(ext.ps_actors)})"
+
+    # The strategy API ------------------------------------------------------------------
+
+    @property
+    def cluster_resolver(self) -> Any:
+        return self._resolver
+
+    @property
+    def extended(self) -> ParameterServerStrategyExtended:
+        return self._extended
+
+    @property
+    def variable_partitioner(self) -> Any:
+        return self._partitioner
+
+    @property
+    def num_replicas_in_sync(self) -> int:
+        """One: each closure runs on one worker's device (TF's CPU-worker count)."""
+        return 1
+
+    @contextlib.contextmanager
+    def scope(self) -> Iterator[ParameterServerStrategy]:
+        """Variables created in the block live on the parameter servers."""
+        with strategy_scope(self):  # type: ignore[arg-type]
+            yield self
+
+    def function(
+        self, fn: Callable[..., Any] | None = None, *, options: RunOptions | None = None
+    ) -> Any:
+        """Marks ``fn(ctx, *args)`` to run on workers through `ClusterCoordinator.schedule`."""
+        if fn is None:
+            return lambda f: self.function(f, options=options)
+        if not callable(fn):
+            raise TypeError(
+                f"ParameterServerStrategy.function: fn must be callable, got {type(fn).__name__}."
+            )
+        return ScheduledFunction(fn, options, self)
+
+    def run(self, fn: Any, args: Any = (), kwargs: Any = None, options: Any = None) -> Any:
+        raise RuntimeError(
+            "ParameterServerStrategy.run: the replica function runs on a worker. Write it as "
+            "strategy.function(fn) (fn receives the replica context first) and schedule it: "
+            "ClusterCoordinator(strategy).schedule(fn, args=(...))."
+        )
+
+    # Variables ---------------------------------------------------------------------------
+
+    def _create_variable(
+        self,
+        initial_value: Any,
+        *,
+        synchronization: Any = Sync.AUTO,
+        aggregation: Any = Agg.NONE,
+        trainable: bool | None = None,
+        name: str | None = None,
+        dtype: Any = None,
+        partitioner: Any = None,
+    ) -> Any:
+        """``jd.Variable(...)`` in this strategy's scope (called by `jaxdist.Variable`)."""
+        where = f"jaxdist.Variable(name={name!r}) under ParameterServerStrategy"
+        sync = Sync.from_any(synchronization, where=where)
+        agg = Agg.from_any(aggregation, where=where)
+        if sync is Sync.AUTO:
+            sync = Sync.ON_WRITE
+        if sync is Sync.ON_READ and trainable:
+            raise ValueError(
+                f"{where}: synchronization ON_READ is only for non-trainable variables (such "
+                "as metrics); pass trainable=False or use ON_WRITE."
+            )
+        trainable = (sync is not Sync.ON_READ) if trainable is None else bool(trainable)
+        if callable(initial_value):
+            initial_value = initial_value()
+        value = np.asarray(initial_array(initial_value, dtype, where))
+        name = self._unique_name(name or "Variable")
+        partitioner = partitioner if partitioner is not None else self._partitioner
+        shape = tuple(value.shape)
+        n = (
+            1
+            if partitioner is None or not shape
+            else _shard_count(partitioner, shape, value.dtype, where)
+        )
+        if n <= 1:
+            return self._place(value, sync, agg, trainable, name)
+        offsets = np.cumsum([0, *div_rows(shape[0], n)])
+        shards = tuple(
+            self._place(
+                value[int(offsets[i]) : int(offsets[i + 1])],
+                sync,
+                agg,
+                trainable,
+                f"{name}/part_{i}",
+            )
+            for i in range(n)
+        )
+        return ShardedParameterServerVariable(shards, name)
+
+    def _unique_name(self, name: str) -> str:
+        """``name``, or ``name_1``, ``name_2``... when taken (workers tell variables apart
+        by name)."""
+        names = self._names
+        count = names.get(name, 0)
+        names[name] = count + 1
+        unique = name if count == 0 else f"{name}_{count}"
+        while unique in names and unique != name:
+            count += 1
+            names[name] = count + 1
+            unique = f"{name}_{count}"
+        names.setdefault(unique, 1)
+        return unique
+
+    def _place(
+        self, value: np.ndarray, sync: Sync, agg: Agg, trainable: bool, name: str
+    ) -> ParameterServerVariable:
+        ps = self._extended.ps_actors
+        task = next(self._next_ps) % len(ps)
+        var_id = next(self._ids)
+        try:
+            ray.get(ps[task].create.remote(var_id, value))
+        except ray.exceptions.RayActorError as e:
+            raise unavailable(task, e) from e
+        return ParameterServerVariable(
+            var_id, ps[task], task, tuple(value.shape), value.dtype, sync, agg, trainable, name
+        )
+
+    def _shutdown(self) -> None:
+        """Stops the coordinator's threads and kills this strategy's actors (private;
+        tests and benchmarks that make many strategies in one Ray runtime)."""
+        coordinator = self._coordinator.coordinator
+        if coordinator is not None:
+            coordinator._shutdown()
+        for actor in (*self._extended.worker_actors, *self._extended.ps_actors):
+            ray.kill(actor)

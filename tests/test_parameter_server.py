@@ -1,0 +1,413 @@
+"""ParameterServerStrategy and ClusterCoordinator on a local Ray runtime (CPU).
+
+One Ray runtime (loopback, no dashboard) and one 2 PS x 3 worker strategy serve the whole
+module; the test that kills a parameter server makes its own small strategy. References:
+NumPy's least-squares solution (async SGD must reach it within 1e-3) and exact counts of
+closures (integers).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxdist as jd
+
+ray = pytest.importorskip("ray")
+
+from jaxdist.experimental.coordinator import (  # noqa: E402
+    ClusterCoordinator,
+    PerWorkerValues,
+    RemoteValue,
+)
+from jaxdist.experimental.partitioners import FixedShardsPartitioner  # noqa: E402
+
+from _helpers import REPO  # noqa: E402
+
+# Ray and the Server test start processes with subprocess (fork, then exec at once), which
+# JAX warns about once its backend runs; it does not apply to fork + exec.
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.filterwarnings(r"ignore:os\.fork\(\) was called:RuntimeWarning"),
+]
+
+
+def _resolver(workers: int, ps: int) -> jd.cluster_resolver.SimpleClusterResolver:
+    spec = {"chief": ["c0"], "worker": [f"w{i}" for i in range(workers)]}
+    spec["ps"] = [f"p{i}" for i in range(ps)]
+    return jd.cluster_resolver.SimpleClusterResolver(
+        jd.cluster_resolver.ClusterSpec(spec), rpc_layer="ray"
+    )
+
+
+@pytest.fixture(scope="module")
+def ray_runtime() -> Iterator[None]:
+    started = not ray.is_initialized()
+    if started:
+        ray.init(
+            address="local",
+            include_dashboard=False,
+            num_cpus=2,
+            _node_ip_address="127.0.0.1",
+            configure_logging=False,
+        )
+    yield
+    if started:  # the test module's own runtime
+        ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def strategy(ray_runtime: None) -> Iterator[Any]:
+    s = jd.experimental.ParameterServerStrategy(_resolver(3, 2))
+    yield s
+    s._shutdown()
+
+
+def _least_squares_problem() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(256, 4)).astype(np.float32)
+    y = (x @ np.array([1.5, -2.0, 0.5, 3.0], np.float32) + 0.7).astype(np.float32)
+    y += 0.1 * rng.normal(size=256).astype(np.float32)
+    solution = np.linalg.lstsq(np.c_[x, np.ones(256)], y, rcond=None)[0]
+    return x, y, solution
+
+
+def _sgd_step(strategy: Any, lr: float) -> Any:
+    def step(ctx: Any, w: Any, b: Any, count: Any, x: Any, y: Any) -> Any:
+        def loss(w: Any, b: Any) -> Any:
+            return jnp.mean((x @ w + b - y) ** 2)
+
+        value, (gw, gb) = jax.value_and_grad(loss, argnums=(0, 1))(w.read_value(), b.read_value())
+        return (
+            w.assign_sub(lr * gw),  # a sharded variable updates shard by shard
+            ctx.assign_sub(b, lr * gb),
+            ctx.assign_add(count, 1),
+            value,
+        )
+
+    return strategy.function(step)
+
+
+def _model(strategy: Any) -> tuple[Any, Any, Any]:
+    with strategy.scope():
+        w = jd.Variable(
+            jnp.zeros(4), aggregation="sum", name="w", partitioner=FixedShardsPartitioner(2)
+        )
+        b = jd.Variable(0.0, aggregation="sum", name="b")
+        count = jd.Variable(
+            0, synchronization="on_read", aggregation="sum", trainable=False, name="count"
+        )
+    return w, b, count
+
+
+def test_strategy_and_variables(strategy: Any) -> None:
+    ext = strategy.extended
+    assert len(ext.worker_actors) == 3 and len(ext.ps_actors) == 2
+    assert strategy.cluster_resolver.cluster_spec().num_tasks("ps") == 2
+    assert hash(strategy) == hash(strategy) and {strategy: 1}[strategy] == 1
+    with pytest.raises(Exception, match="immutable"):
+        strategy.foo = 1
+    with strategy.scope():
+        a = jd.Variable(np.arange(6.0).reshape(3, 2), name="a")
+        b = jd.Variable(1, name="a")  # same name: made unique
+        t = jd.Variable(
+            np.arange(20, dtype=np.float32).reshape(10, 2), partitioner=FixedShardsPartitioner(3)
+        )
+    assert a.name == "a" and b.name == "a_1"
+    assert {a.device, b.device} == {"/job:ps/replica:0/task:0", "/job:ps/replica:0/task:1"}
+    assert [v.shape for v in t.variables] == [(4, 2), (3, 2), (3, 2)]
+    devices = [v.device for v in t.variables]
+    assert devices[0] != devices[1] and devices[0] == devices[2]  # round-robin per shard
+    np.testing.assert_array_equal(np.asarray(t), np.arange(20).reshape(10, 2))
+    np.testing.assert_array_equal(np.asarray(a.assign_add(1.0)), np.arange(6.0).reshape(3, 2) + 1)
+    assert int(b) == 1 and b.dtype == np.int32
+
+
+def test_coordinator_is_one_per_strategy(strategy: Any) -> None:
+    c = ClusterCoordinator(strategy)
+    assert ClusterCoordinator(strategy) is c and c.strategy is strategy
+    assert jd.experimental.coordinator.ClusterCoordinator is ClusterCoordinator
+
+
+def test_schedule_refuses_uncompiled_functions_and_remote_values(strategy: Any) -> None:
+    c = ClusterCoordinator(strategy)
+    with pytest.raises(TypeError, match=r"schedule.*strategy\.function"):
+        c.schedule(lambda x: x, args=(1.0,))
+    rv = c.schedule(jax.jit(lambda x: x * 2), args=(np.float32(3.0),))
+    with pytest.raises(
+        ValueError, match=r"RemoteValue cannot be an argument \(at args\[0\]\['k'\]"
+    ):
+        c.schedule(jax.jit(lambda x: x), args=({"k": rv},))
+    c.join()
+    assert c.done()
+    assert float(rv.fetch()) == 6.0 and float(rv.get()) == 6.0
+    with pytest.raises(RuntimeError, match="schedule"):
+        strategy.function(lambda ctx, x: x)(1.0)
+
+
+def test_async_sgd_converges_to_least_squares(strategy: Any) -> None:
+    x, y, solution = _least_squares_problem()
+    w, b, count = _model(strategy)
+    c = ClusterCoordinator(strategy)
+    step = _sgd_step(strategy, lr=0.1)
+    results = [c.schedule(step, args=(w, b, count, x, y)) for _ in range(150)]
+    c.join()
+    losses = [float(r.fetch()[3]) for r in results]
+    assert losses[-1] < losses[0]
+    np.testing.assert_allclose(np.asarray(w), solution[:4], atol=1e-3)
+    np.testing.assert_allclose(float(b), solution[4], atol=1e-3)
+    assert int(count) == 150  # every closure ran exactly once (no worker died)
+    fetched = results[0].fetch()
+    assert fetched[0] is not None and fetched[0].variables[0].device.startswith("/job:ps")
+
+
+def test_killed_worker_closures_rescheduled_and_worker_restarted(strategy: Any) -> None:
+    x, y, solution = _least_squares_problem()
+    w, b, count = _model(strategy)
+    c = ClusterCoordinator(strategy)
+    step = _sgd_step(strategy, lr=0.05)
+    victim = strategy.extended.worker_actors[0]
+    pid = ray.get(victim.ping.remote())
+    restarted = c._queue.restarted
+    results = [c.schedule(step, args=(w, b, count, x, y)) for _ in range(300)]
+    deadline = time.monotonic() + 60
+    while c._queue.completed < 20 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    ray.kill(victim, no_restart=False)
+    c.join()
+    for r in results:  # none lost
+        r.fetch()
+    assert ray.get(victim.ping.remote(), timeout=60) != pid  # Ray restarted it
+    assert int(count) >= 300  # at least once
+    assert c._queue.restarted > restarted  # its running closure was put back
+    np.testing.assert_allclose(np.asarray(w), solution[:4], atol=1e-3)
+    np.testing.assert_allclose(float(b), solution[4], atol=1e-3)
+
+
+def test_error_raised_once_queued_closures_cancelled(strategy: Any) -> None:
+    c = ClusterCoordinator(strategy)
+
+    @strategy.function
+    def fails(ctx: Any, x: Any) -> Any:
+        if x.shape[0] == 1:
+            raise ValueError("boom from the closure")
+        return jnp.sum(x)
+
+    @strategy.function
+    def slow(ctx: Any, m: Any) -> Any:
+        for _ in range(8):
+            m = jnp.tanh(m @ m)
+        return jnp.sum(m)
+
+    first = c.schedule(fails, args=(np.ones(1, np.float32),))
+    later = [c.schedule(slow, args=(np.eye(200, dtype=np.float32),)) for _ in range(60)]
+    with pytest.raises(ValueError, match="boom from the closure"):
+        c.join()
+    c.join()  # raised once, then cleared
+    assert c.done()
+    with pytest.raises(ValueError, match="boom"):
+        first.fetch()
+    cancelled = 0
+    for r in later:
+        try:
+            r.fetch()
+        except concurrent.futures.CancelledError as e:
+            assert "cancel" in str(e)
+            cancelled += 1
+    assert cancelled >= 1
+    # Scheduling works again, and schedule() itself raises a pending error once.
+    c.schedule(fails, args=(np.ones(1, np.float32),))
+    deadline = time.monotonic() + 60
+    while c._queue._error is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    with pytest.raises(ValueError, match="boom"):
+        c.schedule(fails, args=(np.ones(2, np.float32),))
+    ok = c.schedule(fails, args=(np.ones(2, np.float32),))
+    c.join()
+    assert float(ok.fetch()) == 2.0
+
+
+def test_fetch_keeps_nested_structures(strategy: Any) -> None:
+    c = ClusterCoordinator(strategy)
+
+    @strategy.function
+    def nested(ctx: Any, x: Any) -> Any:
+        return {"a": x + 1, "b": [x * 2, (x, x - 1)]}
+
+    rv = c.schedule(nested, args=(np.float32(1.0),))
+    out = c.fetch({"r": rv, "plain": [3, None], "again": (rv,)})
+    assert out["plain"] == [3, None]
+    assert jax.tree.map(float, out["r"]) == {"a": 2.0, "b": [2.0, (1.0, 0.0)]}
+    assert jax.tree.map(float, out["again"][0]) == jax.tree.map(float, out["r"])
+    assert isinstance(rv, RemoteValue)
+
+
+def test_per_worker_dataset_and_values(strategy: Any) -> None:
+    c = ClusterCoordinator(strategy)
+    dataset = c.create_per_worker_dataset(lambda: (np.float32(i) for i in range(100)))
+    iterator = iter(dataset)
+    take = jax.jit(lambda element, offset: element + offset)
+    results = [
+        c.schedule(take, args=(iterator, PerWorkerValues([0, 1000, 2000]))) for _ in range(12)
+    ]
+    c.join()
+    values = sorted(int(r.fetch()) for r in results)
+    per_worker: dict[int, list[int]] = {}
+    for v in values:
+        per_worker.setdefault(v // 1000, []).append(v % 1000)
+    # Each worker read its own dataset from the start: 0, 1, 2, ... with no gaps.
+    assert sum(len(v) for v in per_worker.values()) == 12
+    for elements in per_worker.values():
+        assert elements == list(range(len(elements)))
+    with pytest.raises(ValueError, match="2 values for 3 workers"):
+        c.schedule(take, args=(iterator, PerWorkerValues([0, 1])))
+    with pytest.raises(TypeError, match="schedule"):
+        next(iterator)
+
+
+def test_on_read_and_only_first_replica_counts(strategy: Any) -> None:
+    with strategy.scope():
+        on_read = jd.Variable(0, synchronization="on_read", aggregation="sum", trainable=False)
+        first = jd.Variable(0.0, aggregation="only_first_replica")
+    c = ClusterCoordinator(strategy)
+
+    @strategy.function
+    def count(ctx: Any, a: Any, b: Any) -> Any:
+        return ctx.assign_add(a, 1), ctx.assign_add(b, 1.0)
+
+    for _ in range(20):
+        c.schedule(count, args=(on_read, first))
+    c.join()
+    assert int(on_read) == 20 and float(first) == 20.0
+    # A plain jax.jit closure updates variables through their own methods.
+    add = jax.jit(lambda v, x: v.assign_add(x))
+    for _ in range(5):
+        c.schedule(add, args=(first, np.float32(2.0)))
+    c.join()
+    assert float(first) == 30.0
+
+
+def test_dead_parameter_server_surfaces(strategy: Any) -> None:
+    s = jd.experimental.ParameterServerStrategy(_resolver(1, 1))
+    try:
+        with pytest.raises(ValueError, match=r"function\(\) of another strategy"):
+            ClusterCoordinator(s).schedule(strategy.function(lambda ctx: 1.0))
+        with s.scope():
+            v = jd.Variable(jnp.zeros(2), aggregation="sum")
+        c = ClusterCoordinator(s)
+        step = s.function(lambda ctx, v: ctx.assign_add(v, jnp.ones(2)))
+        c.schedule(step, args=(v,))
+        c.join()
+        ray.kill(s.extended.ps_actors[0])
+        start = time.monotonic()
+        for _ in range(5):
+            try:
+                c.schedule(step, args=(v,))
+            except RuntimeError:
+                break
+        with pytest.raises(RuntimeError, match=r"/job:ps/replica:0/task:0"):
+            c.join()
+        assert time.monotonic() - start < 60
+        with pytest.raises(RuntimeError, match="parameter server /job:ps"):
+            np.asarray(v)
+    finally:
+        s._shutdown()
+
+
+def test_server_joins_this_machine_as_a_task(ray_runtime: None, tmp_path: Any) -> None:
+    """TF's two-machine set-up on localhost: a second process runs jd.Server for worker 0;
+    the strategy places that task's actor on the node the Server started."""
+    head = ray.get_runtime_context().gcs_address
+    code = (
+        "import sys\n"
+        "from jaxdist.experimental.parameter_server.server import Server\n"
+        "spec = {'chief': [sys.argv[1]], 'worker': ['w0'], 'ps': ['p0']}\n"
+        "server = Server(spec, job_name='worker', task_index=0, config={'num-cpus': 0})\n"
+        "print('target', server.target, flush=True)\n"
+        "server.join()\n"
+    )
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+    }
+    log = open(tmp_path / "server.log", "w")  # noqa: SIM115 - closed in finally
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code, head],
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    s = None
+    try:
+        deadline = time.monotonic() + 120
+        while "jaxdist_worker_0" not in ray.cluster_resources():
+            assert proc.poll() is None, (tmp_path / "server.log").read_text()[-3000:]
+            assert time.monotonic() < deadline, "the Server's node did not join in 120 s"
+            time.sleep(0.5)
+        server_node = next(
+            n["NodeID"] for n in ray.nodes() if n["Alive"] and "jaxdist_worker_0" in n["Resources"]
+        )
+        s = jd.experimental.ParameterServerStrategy(_resolver(1, 1))
+        assert ray.get(s.extended.worker_actors[0].node_id.remote()) == server_node
+        with s.scope():
+            v = jd.Variable(jnp.zeros(2), aggregation="sum")
+        c = ClusterCoordinator(s)
+        rv = c.schedule(
+            s.function(lambda ctx, v, x: (ctx.assign_add(v, x), x * 2)),
+            args=(v, np.ones(2, np.float32)),
+        )
+        c.join()
+        np.testing.assert_array_equal(rv.fetch()[1], [2.0, 2.0])
+        np.testing.assert_array_equal(np.asarray(v), [1.0, 1.0])
+        assert f"target {head}" in (tmp_path / "server.log").read_text()
+    finally:
+        if s is not None:
+            s._shutdown()
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=90)
+        log.close()
+
+
+def test_server_arguments() -> None:
+    from jaxdist.experimental.parameter_server.server import Server
+
+    spec = {"chief": ["127.0.0.1:1"], "worker": ["a", "b"], "ps": ["p"]}
+    with pytest.raises(ValueError, match="job_name must be given"):
+        Server(spec, start=False)
+    with pytest.raises(ValueError, match="task_index must be given: job 'worker' has 2 tasks"):
+        Server(spec, job_name="worker", start=False)
+    with pytest.raises(ValueError, match="protocol='grpc' is not supported"):
+        Server(spec, job_name="ps", protocol="grpc", start=False)
+    server = Server(spec, job_name="worker", task_index=1, start=False)
+    assert server.target == "127.0.0.1:1" and server.resource == "jaxdist_worker_1"
+
+
+def test_every_worker_gone_fails_the_queue(ray_runtime: None) -> None:
+    """A worker killed for good (no restart) gives its closures to the others; with none
+    left, queued closures fail and join says so."""
+    s = jd.experimental.ParameterServerStrategy(_resolver(1, 1))
+    try:
+        c = ClusterCoordinator(s)
+        noop = jax.jit(lambda x: x + 1)
+        assert float(c.schedule(noop, args=(np.float32(1.0),)).fetch()) == 2.0
+        ray.kill(s.extended.worker_actors[0], no_restart=True)
+        pending = [c.schedule(noop, args=(np.float32(1.0),)) for _ in range(3)]
+        with pytest.raises(RuntimeError, match=r"every worker task \(/job:worker\) is gone"):
+            c.join()
+        for r in pending:
+            with pytest.raises(RuntimeError, match="every worker task"):
+                r.fetch()
+    finally:
+        s._shutdown()

@@ -15,6 +15,7 @@ same names; ``tests/test_package.py`` checks that it matches the table.
 from __future__ import annotations
 
 import importlib
+import importlib.util
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # the table below, spelled out for type checkers and IDEs
@@ -174,7 +175,12 @@ _SUBMODULES: tuple[str, ...] = (
     "training",
 )
 
-__all__ = [*_PUBLIC, *_SUBMODULES]
+# Names that need Ray (the ``[ps]`` extra): left out of ``from jaxdist import *`` when it is
+# not installed, so the star import works without it (``jd.Server`` then says what to install).
+_NEEDS_RAY = frozenset({"ParameterServerStrategy", "Server", "coordinator"})
+_HAS_RAY = importlib.util.find_spec("ray") is not None
+
+__all__ = [*(n for n in _PUBLIC if _HAS_RAY or n not in _NEEDS_RAY), *_SUBMODULES]
 
 
 def __getattr__(name: str) -> Any:

@@ -92,3 +92,26 @@ def test_jaxdist_imports_are_at_module_level() -> None:
             if any(n == "jaxdist" or n.startswith("jaxdist.") for n in names):
                 found.append(f"{path.relative_to(root.parent)}:{node.lineno}")
     assert not found, found
+
+
+def test_star_imports_work_without_ray() -> None:
+    """Ray is the optional [ps] extra: without it, `import *` leaves its names out, and
+    asking for one says what to install."""
+    code = (
+        "import sys\n"
+        "sys.modules['ray'] = None  # as if Ray were not installed\n"
+        "from jaxdist import *\n"
+        "from jaxdist.experimental import *\n"
+        "print('ParameterServerStrategy' in dir(), 'MirroredStrategy' in dir())\n"
+        "import jaxdist\n"
+        "try:\n"
+        "    jaxdist.ParameterServerStrategy\n"
+        "except ImportError as e:\n"
+        "    print(e)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120
+    )
+    lines = out.stdout.splitlines()
+    assert lines[0] == "False True", out.stdout + out.stderr
+    assert "pip install 'jaxdist[ps]'" in lines[1]

@@ -7,6 +7,7 @@ they are imported when first used.
 from __future__ import annotations
 
 import importlib
+import importlib.util
 from typing import Any
 
 from jaxdist._programs import set_program_cache_size
@@ -41,6 +42,8 @@ __all__ = [
     "partitioners",
     "set_program_cache_size",
 ]
+if importlib.util.find_spec("ray") is None:  # `import *` works without the [ps] extra
+    __all__ = [n for n in __all__ if n not in ("ParameterServerStrategy", "coordinator")]
 
 
 # Names that need Ray, loaded on first use (PEP 562): importing jaxdist.experimental does not

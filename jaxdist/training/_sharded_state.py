@@ -59,7 +59,10 @@ def state_dims(
     nnx_named: list[tuple[str, Any]] = []
     if cache is not None:
         values = cache.read()
-        nnx_named = [(p.partition(".")[2], v) for p, v in zip(cache.paths, values, strict=True)]
+        # cache paths are "<object index>.<key>.<key>...": the path inside the object
+        nnx_named = [
+            ("/".join(p.split(".")[1:]), v) for p, v in zip(cache.paths, values, strict=True)
+        ]
     state_named = [tree_paths(s) for s in states]
     flat = nnx_named + [leaf for named in state_named for leaf in named]
     dims = strategy._state_dims(flat, where)

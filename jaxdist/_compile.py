@@ -32,6 +32,7 @@ from jaxdist._invariance import analyze, assume_invariant
 from jaxdist._jax_compat import axis_names, eval_jaxpr, varies, varying_axes
 from jaxdist._protocols import StrategyLike
 from jaxdist._scope import replica_scope
+from jaxdist._sliced_eval import eval_sliced, local_slice
 from jaxdist.context import ReplicaContext
 from jaxdist.values import DistributedValues, Mirrored, PerReplica
 from jaxdist.variables import Variable, is_distributed
@@ -393,13 +394,22 @@ def replicated(
         closed = jax.make_jaxpr(traced)(*local)
         tracked = [pos for pos, _ in inputs.batch_leaves]
         infos = analyze(closed.jaxpr, axis, tracked)
-        outs = eval_jaxpr(closed.jaxpr, closed.consts, *local)
         trace.specs.clear()
         trace.makers.clear()
         kinds = [leaf for leaf in trace.leaves if not isinstance(leaf, _Static)]
+        # Sharded state the same on every replica: computed as each device's slice.
+        sliced = {
+            i: kind[1][1]
+            for i, (kind, info) in enumerate(zip(kinds, infos, strict=True))
+            if kind[0] == _OUT_SHARDED and not info.varying
+        }
+        if sliced:
+            outs = eval_sliced(closed.jaxpr, closed.consts, local, sliced, axis, n)
+        else:
+            outs = eval_jaxpr(closed.jaxpr, closed.consts, *local)
         return [
-            _finish(strategy, x, info, kind, inputs, trace, plain or n == 1)
-            for x, info, kind in zip(outs, infos, kinds, strict=True)
+            _finish(strategy, x, info, kind, inputs, trace, plain or n == 1, i in sliced)
+            for i, (x, info, kind) in enumerate(zip(outs, infos, kinds, strict=True))
         ]
 
     # Manual over the replica axes only: other mesh axes (a `TPUStrategy`'s logical
@@ -434,8 +444,10 @@ def _finish(
     inputs: _Inputs,
     trace: _Trace,
     plain: bool,
+    presliced: bool = False,
 ) -> Any:
-    """One output of the body: its spec and maker go to ``trace``; returns the array."""
+    """One output of the body: its spec and maker go to ``trace``; returns the array
+    (``presliced``: a sharded output already computed as this replica's slice)."""
     axis = strategy.axis_name
     out_kind, meta = kind
     shard_dim = None
@@ -475,12 +487,12 @@ def _finish(
             raise varying_variable_error(meta, f"{type(strategy).__name__}.run")
     group = None if same_everywhere else _valid_group(x, info, inputs)
     if same_everywhere or (n == 1 and group is None):
-        if typed_varying:
-            x = assume_invariant(x, axis)
         if shard_dim is not None:
             trace.specs.append(dim_spec(axis, shard_dim, x.ndim))
             trace.makers.append(_identity)
-            return _local_slice(x, axis, shard_dim, n)
+            return x if presliced else local_slice(x, axis, shard_dim, n)
+        if typed_varying:
+            x = assume_invariant(x, axis)
         trace.specs.append(P())
         if out_kind == _OUT_ON_WRITE:
             trace.makers.append(
@@ -497,12 +509,6 @@ def _finish(
     else:
         trace.makers.append(functools.partial(PerReplica, valid=inputs.valid[group]))
     return x[None]
-
-
-def _local_slice(x: Any, axis: str | tuple[str, ...], dim: int, n: int) -> Any:
-    """This replica's block ``axis_index`` of ``n`` along ``dim`` of ``x``."""
-    size = x.shape[dim] // n
-    return lax.dynamic_slice_in_dim(x, lax.axis_index(axis) * size, size, axis=dim)
 
 
 def _valid_group(x: Any, info: Any, inputs: _Inputs) -> int | None:

@@ -13,12 +13,16 @@ would for a global-view program:
 - the slice of an ``all_gather`` (tiled, over the replica axis, along that
   dimension) is the gathered operand itself: the device's own block, so the
   optimizer state is never gathered;
+- the slice of a ``psum`` over the replica axis (the all-reduced gradients)
+  that is needed whole nowhere is a ``psum_scatter`` (a reduce-scatter: half
+  the traffic of the all-reduce);
 - any other value is computed whole and sliced with ``dynamic_slice`` at the
   replica's index.
 
-The values computed are the same, element by element, as slicing the whole
-results (element-wise operations commute with slicing), so the step's results
-do not change; only the work and the memory do. Equations are evaluated in
+The values computed are those of slicing the whole results (element-wise
+operations commute with slicing; a reduce-scatter adds the same terms as the
+all-reduce, possibly in another order), so the step's results do not change
+beyond float rounding; only the work, the traffic and the memory do. Equations are evaluated in
 order; one whose results are needed sliced only is evaluated whole only if a
 slice of it cannot be had otherwise.
 """
@@ -45,6 +49,8 @@ ELEMENTWISE = frozenset(
         "select_n", "sign", "sin", "sqrt", "square", "sub", "tan", "tanh", "xor",
     }
 )  # fmt: skip
+# Sums over replicas: a slice of one is a reduce-scatter.
+SUMS = frozenset({"psum", "psum_invariant"})
 # Casts of the varying-axes type: the identity on values.
 CASTS = frozenset({"pvary", "pcast"})
 
@@ -66,6 +72,11 @@ def _sliceable(eqn: Any, out_shape: tuple[int, ...]) -> bool:
     if name not in ELEMENTWISE and name not in CASTS:
         return False
     return all(_shape(a) in (out_shape, ()) for a in eqn.invars)
+
+
+def _pure(eqn: Any) -> bool:
+    """No effect but naming mesh axes (as collectives do): may be run late, or never."""
+    return all(type(e).__name__ == "NamedAxisEffect" for e in eqn.effects)
 
 
 def _bind(eqn: Any, args: list[Any]) -> Any:
@@ -164,6 +175,15 @@ def eval_sliced(
             and eqn.params.get("axis_index_groups") is None
         ):
             value = read(eqn.invars[0])  # the device's own block
+        elif (
+            eqn is not None
+            and primitive_name(eqn) in SUMS
+            and set(axis_names(eqn.params.get("axes", ()))) == names
+            and eqn.params.get("axis_index_groups") is None
+            and a not in env
+        ):  # a sum over the replicas of which each keeps a slice: a reduce-scatter
+            operand = read(eqn.invars[eqn.outvars.index(a)])
+            value = lax.psum_scatter(operand, axis, scatter_dimension=d, tiled=True)
         elif index is not None and index in eqn_dims:
             run_sliced(index)
             value = senv[key]
@@ -212,7 +232,7 @@ def eval_sliced(
             producer[v] = index
         if index in eqn_dims:
             continue  # run when its slice is read
-        if not eqn.effects and not any(v in whole for v in eqn.outvars):
+        if _pure(eqn) and not any(v in whole for v in eqn.outvars):
             deferred.add(index)  # needed sliced only: perhaps never whole
             continue
         run(index)

@@ -162,7 +162,7 @@ def _total_bytes(tree: object) -> int:
 def test_mlp_20_adamw_steps_equal_mirrored_and_one_device() -> None:
     data = _mlp_data()
     fsdp = jd.experimental.FSDPStrategy(min_shard_bytes=1024)
-    lf, mf, of, _ = _train_nnx(fsdp, MLP, data, _mse)
+    lf, mf, of, step = _train_nnx(fsdp, MLP, data, _mse)
     lm, mm, om, _ = _train_nnx(jd.MirroredStrategy(), MLP, data, _mse)
     np.testing.assert_allclose(lf, lm, rtol=RTOL, atol=ATOL)
     _assert_close(nnx.state(mf), nnx.state(mm))
@@ -170,6 +170,13 @@ def test_mlp_20_adamw_steps_equal_mirrored_and_one_device() -> None:
     # Sharded at rest: each kernel and its adamw moments on dim 0 (1 KiB and up).
     assert mf.l2.kernel.get_value().sharding.spec == jax.sharding.PartitionSpec("replica")
     assert of.opt_state[0].mu["l2"]["kernel"].get_value().sharding.spec[0] == "replica"
+    # ZeRO-3's communication: the 5 sharded parameters (3 kernels, 2 biases of 1 KiB)
+    # gathered, their gradients reduce-scattered; the optimizer state is never gathered;
+    # all-reduces only for the replicated l3 bias's gradient and the loss.
+    hlo = step.lower(mf, of, *_split(fsdp, data[0][0], data[1][0])).as_text()
+    assert hlo.count('"stablehlo.all_gather"') == 5
+    assert hlo.count('"stablehlo.reduce_scatter"') == 5
+    assert hlo.count('"stablehlo.all_reduce"') == 2
 
     # Plain single-device optax on the global batches.
     model = MLP(nnx.Rngs(0))

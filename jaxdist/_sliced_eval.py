@@ -5,8 +5,9 @@ each device's block of an output that is the same on every replica: the
 updated parameters and optimizer state. Computing the whole output on every
 device and then slicing it repeats the optimizer's work ``n`` times and keeps a
 gathered copy of the optimizer state alive. `eval_sliced` instead pushes the
-slice up the jaxpr, through element-wise equations, as XLA's partitioner
-would for a global-view program:
+slice up the jaxpr (nested ``jit`` equations evaluated in line first),
+through element-wise equations, as XLA's partitioner would for a global-view
+program:
 
 - an element-wise equation whose result is only needed sliced (along one
   dimension) runs on the slices of its operands (scalar operands whole);
@@ -29,6 +30,7 @@ slice of it cannot be had otherwise.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -49,6 +51,8 @@ ELEMENTWISE = frozenset(
         "select_n", "sign", "sin", "sqrt", "square", "sub", "tan", "tanh", "xor",
     }
 )  # fmt: skip
+# Nested jits, evaluated in line first.
+JITS = frozenset({"jit", "pjit"})
 # Sums over replicas: a slice of one is a reduce-scatter.
 SUMS = frozenset({"psum", "psum_invariant"})
 # Casts of the varying-axes type: the identity on values.
@@ -72,6 +76,28 @@ def _sliceable(eqn: Any, out_shape: tuple[int, ...]) -> bool:
     if name not in ELEMENTWISE and name not in CASTS:
         return False
     return all(_shape(a) in (out_shape, ()) for a in eqn.invars)
+
+
+def _inlined(jaxpr: Any, consts: Sequence[Any], *args: Any) -> list[Any]:
+    """Evaluates ``jaxpr`` with the bodies of nested ``jit`` equations evaluated in line
+    (traced, this gives one flat jaxpr: optax and flax jit some of their helpers)."""
+    env: dict[Any, Any] = dict(zip(jaxpr.constvars, consts, strict=True))
+    env.update(zip(jaxpr.invars, args, strict=True))
+
+    def read(a: Any) -> Any:
+        return a.val if is_literal(a) else env[a]
+
+    for eqn in jaxpr.eqns:
+        invals = [read(a) for a in eqn.invars]
+        inner = eqn.params.get("jaxpr") if primitive_name(eqn) in JITS else None
+        if inner is not None and hasattr(inner, "consts"):
+            outs = _inlined(inner.jaxpr, inner.consts, *invals)
+        else:
+            outs = _bind(eqn, invals)
+            if not eqn.primitive.multiple_results:
+                outs = [outs]
+        env.update(zip(eqn.outvars, outs, strict=True))
+    return [read(a) for a in jaxpr.outvars]
 
 
 def _pure(eqn: Any) -> bool:
@@ -140,6 +166,9 @@ def eval_sliced(
     """Evaluates ``jaxpr`` (inside ``shard_map``, manual over ``axis`` of size ``n``);
     output ``i`` in ``sliced_outs`` comes back as this replica's block along dimension
     ``sliced_outs[i]``, the others whole."""
+    if any(primitive_name(e) in JITS for e in jaxpr.eqns):
+        closed = jax.make_jaxpr(functools.partial(_inlined, jaxpr, consts))(*args)
+        jaxpr, consts = closed.jaxpr, closed.consts
     whole, _, eqn_dims = _demand(jaxpr, sliced_outs)
     names = set(axis_names(axis))
     env: dict[Any, Any] = {}

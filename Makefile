@@ -33,6 +33,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/digits.py
 	$(PY) benchmarks/multi_process.py
 	$(PY) benchmarks/checkpoint.py
+	$(PY) benchmarks/fsdp.py
 
 clean:
 	rm -rf .venv .venv313 .pytest_cache .ruff_cache *.egg-info

@@ -233,6 +233,20 @@ def test_transformer_20_adamw_steps_equal_mirrored_with_an_eighth_of_the_state()
     assert args_m.argument_size_in_bytes >= total
 
 
+@pytest.mark.parametrize("count", [1, 2])
+def test_fewer_devices_equal_mirrored_on_the_same_devices(count: int) -> None:
+    devices = jax.devices()[:count]
+    xs, ys = (a[:3] for a in _mlp_data(batch=8))
+    fsdp = jd.experimental.FSDPStrategy(devices, min_shard_bytes=1024)
+    lf, mf, of, _ = _train_nnx(fsdp, MLP, (xs, ys), _mse)
+    lm, mm, om, _ = _train_nnx(jd.MirroredStrategy(devices), MLP, (xs, ys), _mse)
+    np.testing.assert_allclose(lf, lm, rtol=RTOL, atol=ATOL)
+    _assert_close(nnx.state((mf, of)), nnx.state((mm, om)))
+    kernel = mf.l2.kernel.get_value()
+    assert kernel.addressable_shards[0].data.shape == (256 // count, 256)
+    assert len(kernel.sharding.device_set) == count
+
+
 def test_train_state_steps_equal_mirrored_and_come_back_sharded() -> None:
     xs, ys = _mlp_data()
 

@@ -13,6 +13,11 @@ replica leaves the body with a replicated spec (one copy, no collective) and
 comes back `Mirrored` (a plain array with one replica, or when the caller asks
 for plain arrays); any other comes back `PerReplica`, carrying the valid-row
 counts of the padded batch it was computed from, if any.
+
+Training state stored sharded (`jaxdist.experimental.FSDPStrategy`) enters as
+`Sharded` leaves, all-gathered on entry, and leaves as `Synced` leaves with a
+``dim``: each device's slice, computed as a slice where the jaxpr allows
+(`jaxdist._sliced_eval`).
 """
 
 from __future__ import annotations

@@ -5,10 +5,15 @@ the replica axis, the same replica functions and `ReplicaContext`), except for
 the training state that `jaxdist.train_step` (and so `jaxdist.fit`) carries:
 NNX variables (parameters, optimizer state) and `TrainState` leaves are stored
 sharded over the replica axis, one slice per device, between steps. The step
-all-gathers each sharded leaf when it enters the replica function, so the
-user's code sees whole arrays and the usual ``ctx.all_reduce`` of gradients;
-the updated state leaves the step as each device's slice again. The results
-are those of `MirroredStrategy`, value for value.
+all-gathers each sharded parameter when it enters the replica function, so
+the user's code sees whole arrays and makes the usual ``ctx.all_reduce`` of
+gradients; the updated state leaves the step as each device's slice again.
+Since only slices are kept, the step computes only slices: a gradient sum
+whose result is needed sliced is a reduce-scatter, the optimizer's
+element-wise update runs on each device's slice, and the optimizer state is
+never gathered (`jaxdist._sliced_eval`). The results are those of
+`MirroredStrategy` (the same operations on the same values; a reduce-scatter
+may add in another order than an all-reduce).
 
 Which leaf is sharded, and along which dimension, is decided per leaf from its
 ``/``-joined path (``layers/0/kernel``, ``opt_state/0/mu/layers/0/kernel``,
@@ -215,10 +220,13 @@ class FSDPStrategy(Strategy):
     replication). ``strategy.run`` and distributed variables behave as under
     `MirroredStrategy` (replicated).
 
-    What is sharded is the state at rest, between steps: the step computes the
-    optimizer update on the gathered arrays, so a device's peak memory during
-    a step still holds one gathered copy of the state (see
-    ``step.lower(...).compile().memory_analysis()``).
+    Inside the step only the parameters are gathered (for the forward and
+    backward pass); gradients that are kept as slices are reduce-scattered
+    and the optimizer updates each device's slice, as ZeRO-3 does. Element-wise
+    optimizer code (optax's, NNX's) takes that path; an update that mixes
+    elements (a global norm clip, for example) is computed on whole arrays and
+    then sliced, with the same results. ``step.lower(...).compile().
+    memory_analysis()`` shows the memory of the compiled step.
 
     Example:
         >>> import jax, jaxdist as jd

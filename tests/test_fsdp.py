@@ -247,6 +247,25 @@ def test_fewer_devices_equal_mirrored_on_the_same_devices(count: int) -> None:
     assert len(kernel.sharding.device_set) == count
 
 
+def test_an_update_that_mixes_elements_equals_mirrored() -> None:
+    """A global-norm clip needs whole gradients: they are all-reduced, then sliced."""
+    xs, ys = (a[:5] for a in _mlp_data())
+    tx = optax.chain(optax.clip_by_global_norm(0.1), optax.adamw(1e-3))
+
+    def run(strategy: jd.Strategy) -> tuple:
+        model = MLP(nnx.Rngs(0))
+        opt = nnx.Optimizer(model, tx, wrt=nnx.Param)
+        step = _nnx_step(strategy, _mse, xs.shape[1])
+        batches = [_split(strategy, x, y) for x, y in zip(xs, ys, strict=True)]
+        losses = [float(step(model, opt, *batch)) for batch in batches]
+        return losses, nnx.state((model, opt))
+
+    lf, sf = run(jd.experimental.FSDPStrategy(min_shard_bytes=1024))
+    lm, sm = run(jd.MirroredStrategy())
+    np.testing.assert_allclose(lf, lm, rtol=RTOL, atol=ATOL)
+    _assert_close(sf, sm)
+
+
 def test_train_state_steps_equal_mirrored_and_come_back_sharded() -> None:
     xs, ys = _mlp_data()
 

@@ -34,6 +34,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/multi_process.py
 	$(PY) benchmarks/checkpoint.py
 	$(PY) benchmarks/parameter_server.py
+	$(PY) benchmarks/fsdp.py
 
 clean:
 	rm -rf .venv .venv313 .pytest_cache .ruff_cache *.egg-info

@@ -13,6 +13,11 @@ replica leaves the body with a replicated spec (one copy, no collective) and
 comes back `Mirrored` (a plain array with one replica, or when the caller asks
 for plain arrays); any other comes back `PerReplica`, carrying the valid-row
 counts of the padded batch it was computed from, if any.
+
+Training state stored sharded (`jaxdist.experimental.FSDPStrategy`) enters as
+`Sharded` leaves, all-gathered on entry, and leaves as `Synced` leaves with a
+``dim``: each device's slice, computed as a slice where the jaxpr allows
+(`jaxdist._sliced_eval`).
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from jaxdist._invariance import analyze, assume_invariant
 from jaxdist._jax_compat import axis_names, eval_jaxpr, varies, varying_axes
 from jaxdist._protocols import StrategyLike
 from jaxdist._scope import replica_scope
+from jaxdist._sliced_eval import eval_sliced, local_slice
 from jaxdist.context import ReplicaContext
 from jaxdist.values import DistributedValues, Mirrored, PerReplica
 from jaxdist.variables import Variable, is_distributed
@@ -59,14 +65,39 @@ class Synced:
     Used for state updated in place by `jaxdist.train_step` (NNX variables). A
     value that differs between replicas is averaged across them when it is a
     float (like tf.distribute's ``ON_READ`` ``MEAN`` statistics); otherwise it
-    is an error naming ``what``.
+    is an error naming ``what``. With ``dim`` (sharded state, `Sharded`), each
+    device keeps only its slice along ``dim`` of that one copy.
     """
 
-    __slots__ = ("value", "what")
+    __slots__ = ("dim", "value", "what")
 
-    def __init__(self, value: Any, what: str) -> None:
+    def __init__(self, value: Any, what: str, dim: int | None = None) -> None:
         self.value = value
         self.what = what
+        self.dim = dim
+
+
+class Sharded:
+    """An input leaf stored sharded over the replica axis along ``dim`` (private).
+
+    Made by `jaxdist.train_step` inside its jitted program for state stored
+    sharded (`FSDPStrategy`); the replica function sees the whole array,
+    all-gathered on entry.
+    """
+
+    __slots__ = ("dim", "value")
+
+    def __init__(self, value: Any, dim: int) -> None:
+        self.value = value
+        self.dim = dim
+
+
+def dim_spec(axis: str | tuple[str, ...], dim: int | None, ndim: int) -> P:
+    """The spec of an array of rank ``ndim`` split over ``axis`` along ``dim`` (``None``:
+    replicated)."""
+    if dim is None:
+        return P()
+    return P(*([None] * dim), axis)
 
 
 def path_str(path: Sequence[Any]) -> str:
@@ -81,7 +112,7 @@ def path_str(path: Sequence[Any]) -> str:
 _ARRAY_TYPES = (jax.Array, np.ndarray, np.generic, bool, int, float, complex)
 
 # How an input leaf enters the replica function.
-_PER_REPLICA, _BROADCAST, _ON_READ, _ON_WRITE = range(4)
+_PER_REPLICA, _BROADCAST, _ON_READ, _ON_WRITE, _SHARDED = range(5)
 
 
 def describe_bad_leaf(strategy: StrategyLike, args: Any, kwargs: Any) -> TypeError | None:
@@ -183,6 +214,10 @@ def _flatten_inputs(
                     valid[id(leaf.valid)] = (leaf.valid, arr.shape[1] if arr.ndim > 1 else -1)
                 group = list(valid).index(id(leaf.valid))
                 batch_leaves.append((len(flat) - 1, group))
+        elif isinstance(leaf, Sharded):
+            flat.append(leaf.value)
+            specs.append(dim_spec(axis, leaf.dim, np.ndim(leaf.value)))
+            kinds.append((_SHARDED, leaf.dim))
         else:
             flat.append(leaf.array if isinstance(leaf, Mirrored) else leaf)
             specs.append(P())
@@ -220,6 +255,9 @@ def _enter(ctx: ReplicaContext, kind: int, meta: Any, x: Any) -> Any:
         return Variable._make(x[0], dataclasses.replace(meta, local=True))
     if kind == _ON_WRITE:
         return Variable._make(register_mirror(ctx, x), dataclasses.replace(meta, local=True))
+    if kind == _SHARDED:  # the whole array, varying-typed like a broadcast input
+        x = lax.all_gather(x, axis, axis=meta, tiled=True)
+        return x if varies(x, axis) else lax.pcast(x, axis, to="varying")
     if set(axis_names(axis)) <= varying_axes(x):
         return x
     # Broadcast inputs become per-replica values, so jax.grad inside fn gives each
@@ -230,7 +268,7 @@ def _enter(ctx: ReplicaContext, kind: int, meta: Any, x: Any) -> Any:
 
 
 # Output leaf kinds, recorded while fn is traced.
-_OUT_ARRAY, _OUT_ON_WRITE, _OUT_ON_READ, _OUT_SYNCED = range(4)
+_OUT_ARRAY, _OUT_ON_WRITE, _OUT_ON_READ, _OUT_SYNCED, _OUT_SHARDED = range(5)
 
 
 @dataclasses.dataclass
@@ -300,7 +338,10 @@ def _out_leaf(leaf: Any, trace: _Trace, strategy: StrategyLike) -> Any:
             trace.leaves.append((_OUT_ON_WRITE, leaf._meta))
         return leaf._stored
     if isinstance(leaf, Synced):
-        trace.leaves.append((_OUT_SYNCED, leaf.what))
+        if leaf.dim is None:
+            trace.leaves.append((_OUT_SYNCED, leaf.what))
+        else:
+            trace.leaves.append((_OUT_SHARDED, (leaf.what, leaf.dim)))
         return jax.numpy.asarray(leaf.value)
     if isinstance(leaf, DistributedValues):
         raise TypeError(
@@ -360,13 +401,22 @@ def replicated(
         closed = jax.make_jaxpr(traced)(*local)
         tracked = [pos for pos, _ in inputs.batch_leaves]
         infos = analyze(closed.jaxpr, axis, tracked)
-        outs = eval_jaxpr(closed.jaxpr, closed.consts, *local)
         trace.specs.clear()
         trace.makers.clear()
         kinds = [leaf for leaf in trace.leaves if not isinstance(leaf, _Static)]
+        # Sharded state the same on every replica: computed as each device's slice.
+        sliced = {
+            i: kind[1][1]
+            for i, (kind, info) in enumerate(zip(kinds, infos, strict=True))
+            if kind[0] == _OUT_SHARDED and not info.varying
+        }
+        if sliced:
+            outs = eval_sliced(closed.jaxpr, closed.consts, local, sliced, axis, n)
+        else:
+            outs = eval_jaxpr(closed.jaxpr, closed.consts, *local)
         return [
-            _finish(strategy, x, info, kind, inputs, trace, plain or n == 1)
-            for x, info, kind in zip(outs, infos, kinds, strict=True)
+            _finish(strategy, x, info, kind, inputs, trace, plain or n == 1, i in sliced)
+            for i, (x, info, kind) in enumerate(zip(outs, infos, kinds, strict=True))
         ]
 
     # Manual over the replica axes only: other mesh axes (a `TPUStrategy`'s logical
@@ -401,10 +451,15 @@ def _finish(
     inputs: _Inputs,
     trace: _Trace,
     plain: bool,
+    presliced: bool = False,
 ) -> Any:
-    """One output of the body: its spec and maker go to ``trace``; returns the array."""
+    """One output of the body: its spec and maker go to ``trace``; returns the array
+    (``presliced``: a sharded output already computed as this replica's slice)."""
     axis = strategy.axis_name
     out_kind, meta = kind
+    shard_dim = None
+    if out_kind == _OUT_SHARDED:  # synced state, then each device's slice of it
+        out_kind, (meta, shard_dim) = _OUT_SYNCED, meta
     typed_varying = varies(x, axis)
     if info.varying and not typed_varying:
         # Typed invariant, yet replicas reached it through different control flow (a
@@ -439,6 +494,10 @@ def _finish(
             raise varying_variable_error(meta, f"{type(strategy).__name__}.run")
     group = None if same_everywhere else _valid_group(x, info, inputs)
     if same_everywhere or (n == 1 and group is None):
+        if shard_dim is not None:
+            trace.specs.append(dim_spec(axis, shard_dim, x.ndim))
+            trace.makers.append(_identity)
+            return x if presliced else local_slice(x, axis, shard_dim, n)
         if typed_varying:
             x = assume_invariant(x, axis)
         trace.specs.append(P())

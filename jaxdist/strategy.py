@@ -135,6 +135,13 @@ class Strategy:
         """Fields beyond devices and cross-device ops that tell two strategies apart."""
         return ()
 
+    def _state_dims(self, leaves: Sequence[tuple[str, Any]], where: str) -> list[int | None] | None:
+        """For training state stored sharded (`FSDPStrategy`): the dimension each
+        ``(path, array)`` leaf is sharded on over the replica axis (``None``:
+        replicated); ``where`` names the caller in errors. ``None``: this strategy
+        keeps training state replicated."""
+        return None
+
     def _make_mesh(self, grid: np.ndarray, axis_names: tuple[str, ...]) -> Mesh:
         """The mesh over ``grid`` (the replicas' devices, laid out along ``axis_names``).
 

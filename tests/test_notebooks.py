@@ -20,10 +20,10 @@ import pytest
 
 NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
 # Every notebook in notebooks/ is checked and executed; these must be among them.
-EXPECTED = ("migrating_from_tf_distribute", "quickstart", "scaling")
+EXPECTED = ("migrating_from_tf_distribute", "model_parallel", "quickstart", "scaling")
 NAMES = sorted(p.stem for p in NOTEBOOKS.glob("*.ipynb"))
 
-# What a notebook may take here (2 CPU cores, 8 simulated devices); all three together
+# What a notebook may take here (2 CPU cores, 8 simulated devices); all of them together
 # run in well under two minutes.
 CELL_TIMEOUT_S = 120
 NOTEBOOK_TIMEOUT_S = 240
@@ -85,6 +85,13 @@ USES = {
         "jd.experimental.CommunicationOptions(",
     ),
     "scaling": ("jd.accumulate_gradients(", "jd.compute_average_loss("),
+    "model_parallel": (
+        "jd.experimental.FSDPStrategy(",
+        "jd.MirroredStrategy(",
+        "jd.train_step(",
+        ".memory_analysis()",
+        "state_layout(",
+    ),
 }
 STALE = ("not public yet", "not part of jaxdist's public API")
 

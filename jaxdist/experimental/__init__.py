@@ -20,6 +20,7 @@ from jaxdist.experimental import partitioners
 from jaxdist.experimental._preemption import PreemptionCheckpointHandler, TerminationConfig
 from jaxdist.input.options import AutoShardPolicy
 from jaxdist.strategies.central_storage import CentralStorageStrategy
+from jaxdist.strategies.fsdp import FSDPStrategy
 from jaxdist.strategies.multi_worker import MultiWorkerMirroredStrategy
 from jaxdist.strategies.tpu import TPUStrategy
 from jaxdist.values import ValueContext
@@ -31,6 +32,7 @@ __all__ = [
     "CollectiveHints",
     "CommunicationImplementation",
     "CommunicationOptions",
+    "FSDPStrategy",
     "MultiWorkerMirroredStrategy",
     "ParameterServerStrategy",
     "PreemptionCheckpointHandler",

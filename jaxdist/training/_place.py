@@ -14,12 +14,16 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+# One sharding for every leaf, or a tuple of them for a tuple of leaves.
+_Shardings = jax.sharding.Sharding | tuple[jax.sharding.Sharding, ...]
+
 
 @functools.cache
-def _copier(sharding: jax.sharding.Sharding) -> Any:
+def _copier(sharding: _Shardings) -> Any:
     return jax.jit(lambda tree: jax.tree.map(jnp.copy, tree), out_shardings=sharding)
 
 
-def placed_copy(tree: Any, sharding: jax.sharding.Sharding) -> Any:
-    """``tree`` with every array copied onto ``sharding`` (fresh buffers)."""
+def placed_copy(tree: Any, sharding: _Shardings) -> Any:
+    """``tree`` with every array copied onto ``sharding`` (fresh buffers); a tuple of
+    shardings places a tuple ``tree`` leaf by leaf."""
     return _copier(sharding)(tree)

@@ -44,8 +44,10 @@ from jaxdist._programs import LoweredStep
 from jaxdist._scope import get_strategy
 from jaxdist.context import ReplicaContext
 from jaxdist.strategy import Strategy
+from jaxdist.training import _sharded_state as sharded
 from jaxdist.training._nnx import StateCache, is_nnx_node
 from jaxdist.training._place import placed_copy
+from jaxdist.training._sharded_state import StateDims
 from jaxdist.training.state import TrainState
 from jaxdist.values import DistributedValues
 from jaxdist.variables import Variable
@@ -143,6 +145,7 @@ class _StepProgram:
         cache: StateCache | None,
         donate: bool,
         where: str,
+        dims: StateDims | None = None,  # state stored sharded (FSDPStrategy)
     ) -> None:
         self.strategy = strategy
         self.has_refs = [False]
@@ -163,6 +166,8 @@ class _StepProgram:
                 objects = cache.rebuild(entered)
             args, kwargs = jax.tree.unflatten(layout.treedef, layout.join(objects, states, others))
             out = fn(ctx, *args, **kwargs)
+            if dims is not None:
+                out = sharded.shard_out(strategy, out, where)
             if objects:
                 ids = {id(o): i for i, o in enumerate(objects)}
 
@@ -179,10 +184,14 @@ class _StepProgram:
                 for i, value in enumerate(new):
                     if cache.is_key[i] and value is entered[i]:
                         value = nnx_values[i]  # the stream's key is unchanged: keep its base
-                    synced.append(Synced(value, f"NNX variable {cache.paths[i]}"))
+                    dim = None if dims is None else dims[0][i]
+                    synced.append(Synced(value, f"NNX variable {cache.paths[i]}", dim))
             return out, synced
 
         def program(nnx_values: list[Any], states: list[Any], others: list[Any]) -> Any:
+            if dims is not None:
+                nnx_values = sharded.shard_in(nnx_values, dims[0])
+                states = sharded.shard_states_in(states, dims)
             return replicated(replica_fn, strategy, (nnx_values, states, others), {}, plain=True)
 
         program.__name__ = f"jaxdist_train_step_{getattr(fn, '__name__', 'fn')}"
@@ -312,15 +321,23 @@ class TrainStep:
         states, others = layout.split(leaves)
         if self._donate:  # before placing: a donated buffer must not reach the program
             self._check_donated(states, cache, [] if cache is None else cache.read(), args, kwargs)
-        if cache is not None:
+        dims = sharded.state_dims(strategy, cache, states, self._where)
+        if cache is not None and dims is not None:
+            sharded.place_nnx(strategy, cache, dims[0])
+        elif cache is not None:
             _place(strategy, cache)
-        key = (strategy, layout.key(), None if cache is None else cache.graphdef)
+        key = (strategy, layout.key(), None if cache is None else cache.graphdef, dims)
         program = self._programs.get(key)
         if program is None:
-            program = _StepProgram(self._fn, strategy, layout, cache, self._donate, self._where)
+            program = _StepProgram(
+                self._fn, strategy, layout, cache, self._donate, self._where, dims
+            )
             self._programs[key] = program
         self._last = (strategy, treedef, layout, cache, program)
-        states = [_placed_state(strategy, s) for s in states]
+        if dims is None:
+            states = [_placed_state(strategy, s) for s in states]
+        else:
+            states = sharded.place_states(strategy, states, dims[1])
         values = cache.read() if cache is not None else []
         return strategy, layout, cache, program, values, states, others
 

@@ -1,5 +1,6 @@
 """Training on top of strategies: train steps, functional state, losses, the fit loop."""
 
+from jaxdist.training._guards import HostBatchWarning
 from jaxdist.training.accumulate import accumulate_gradients
 from jaxdist.training.callbacks import Callback, EarlyStopping, FitLoop
 from jaxdist.training.checkpoints import Checkpoint, Restored, restore_checkpoint
@@ -18,6 +19,7 @@ __all__ = [
     "FitPreempted",
     "FitLoop",
     "History",
+    "HostBatchWarning",
     "Restored",
     "TrainState",
     "TrainStep",

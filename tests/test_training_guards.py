@@ -7,6 +7,8 @@ tolerance rtol 1e-5 / atol 1e-6.
 
 from __future__ import annotations
 
+import os
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -283,3 +285,83 @@ def test_update_state_false_writes_nothing_back() -> None:
     np.testing.assert_array_equal(bn.mean.get_value(), np.zeros(2, np.float32))
     with pytest.raises(TypeError, match=r"update_state must be True, False or None"):
         jd.train_step(strategy, update_state="no")
+
+
+# 5. NaN -----------------------------------------------------------------------------------
+
+
+def _nan_run(tmp_path, callbacks_for, epochs: int = 2):
+    strategy = jd.MirroredStrategy(jax.devices()[:2])
+    model = nnx.Linear(3, 1, rngs=nnx.Rngs(0))
+    opt = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+    x, y = _linear_data(32)
+    x[17, 1] = np.nan  # in the third batch of 8: global step 3
+    train, _ = _fit_steps(strategy)
+    ckpt = jd.training.Checkpoint(tmp_path / "ckpt", every_n_steps=1, async_write=False)
+    callbacks = callbacks_for(ckpt)
+    data = jd.data.from_arrays(x, y, batch_size=8)
+    return (
+        (model, opt),
+        ckpt,
+        callbacks,
+        lambda: jd.fit(
+            train, model, opt, data=data, epochs=epochs, callbacks=callbacks, verbose=False
+        ),
+    )
+
+
+def test_terminate_on_nan_stops_at_the_step_and_never_saves_it(tmp_path, capfd) -> None:
+    stop = jd.training.TerminateOnNaN()
+    # The checkpoint callback is listed first: TerminateOnNaN still runs before it.
+    (model, opt), ckpt, _, run = _nan_run(tmp_path, lambda ckpt: [ckpt, stop])
+    history = run()
+    assert history.stopped_early and history.step == 3 and history.epochs == [0]
+    assert (stop.stopped_step, stop.stopped_epoch) == (3, 0)
+    assert "TerminateOnNaN: loss nan at step 3 (epoch 0)" in capfd.readouterr().err
+    assert ckpt.all_steps() == [1, 2]  # the last finite states only
+    assert not np.isfinite(np.asarray(model.kernel.get_value())).all()
+    restored = jd.training.restore_checkpoint(str(tmp_path / "ckpt"), model, opt)
+    assert restored.step == 2
+    assert np.isfinite(np.asarray(model.kernel.get_value())).all()
+
+
+def test_checkpoint_refuses_a_nonfinite_state_unless_told(tmp_path) -> None:
+    _, ckpt, _, run = _nan_run(tmp_path, lambda ckpt: [ckpt])
+    with pytest.raises(
+        ValueError,
+        match=r"(?s)jaxdist\.training\.Checkpoint: the state after "
+        r"step 3 \(epoch 0\) holds NaN.*state_0.*allow_nonfinite=True",
+    ):
+        run()
+    assert ckpt.all_steps() == [1, 2]
+    _, ckpt, _, run = _nan_run(
+        tmp_path / "b",
+        lambda _: [
+            jd.training.Checkpoint(
+                tmp_path / "b" / "ckpt", every_n_steps=1, async_write=False, allow_nonfinite=True
+            )
+        ],
+        epochs=1,
+    )
+    run()
+    assert sorted(os.listdir(tmp_path / "b" / "ckpt")).count("ckpt-4") == 1
+
+
+def test_item_checkpoint_refuses_nan_unless_told(tmp_path) -> None:
+    bad = {"w": jnp.array([1.0, jnp.inf]), "n": jnp.arange(2)}
+    ckpt = jd.checkpoint.Checkpoint(state=bad)
+    with pytest.raises(
+        ValueError,
+        match=r"(?s)Checkpoint\.write: the state holds NaN or infinite"
+        r" values: \['items'\]\['state'\]\['w'\] \(1 of 2 values\)",
+    ):
+        ckpt.write(tmp_path / "a")
+    assert not (tmp_path / "a").exists()
+    ckpt.write(tmp_path / "a", allow_nonfinite=True)
+    with pytest.raises(ValueError, match=r"jaxdist\.checkpoint\.save: the state holds NaN"):
+        jd.checkpoint.save(tmp_path / "b", bad)
+    manager = jd.checkpoint.CheckpointManager(ckpt, tmp_path / "m")
+    with pytest.raises(ValueError, match=r"NaN or infinite"):
+        manager.save()
+    assert manager.latest_checkpoint is None
+    assert manager.save(allow_nonfinite=True).endswith("-2")

@@ -2,7 +2,7 @@
 
 from jaxdist.training._guards import HostBatchWarning
 from jaxdist.training.accumulate import accumulate_gradients
-from jaxdist.training.callbacks import Callback, EarlyStopping, FitLoop
+from jaxdist.training.callbacks import Callback, EarlyStopping, FitLoop, TerminateOnNaN
 from jaxdist.training.checkpoints import Checkpoint, Restored, restore_checkpoint
 from jaxdist.training.fit import FitInterrupted, FitPreempted, History, fit
 from jaxdist.training.losses import compute_average_loss, scale_regularization_loss
@@ -21,6 +21,7 @@ __all__ = [
     "History",
     "HostBatchWarning",
     "Restored",
+    "TerminateOnNaN",
     "TrainState",
     "TrainStep",
     "accumulate_gradients",

@@ -75,7 +75,7 @@ from jaxdist.strategy import Strategy
 from jaxdist.training._interrupts import Interrupts
 from jaxdist.training._loop import FitInterrupted, FitPreempted, History, Runner
 from jaxdist.training._nnx import is_nnx_node
-from jaxdist.training.callbacks import Callback, FitLoop, functional_result
+from jaxdist.training.callbacks import Callback, FitLoop, TerminateOnNaN, functional_result
 from jaxdist.training.checkpoints import Checkpoint
 from jaxdist.training.progress import Progress, want_bar
 from jaxdist.training.step import TrainStep
@@ -292,6 +292,8 @@ def fit(
                 f"{_WHERE}: callbacks must be jd.training.Callback objects, got "
                 f"{type(cb).__name__}; subclass Callback and override its hooks."
             )
+    # TerminateOnNaN first: a non-finite step is caught before a checkpoint of it is due.
+    callbacks.sort(key=lambda cb: not isinstance(cb, TerminateOnNaN))
     checkpoint = _checkpoint_callback(callbacks, resume, initial_epoch, initial_step)
     if epochs is None and steps is None:
         epochs = initial_epoch + 1

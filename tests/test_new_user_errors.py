@@ -95,3 +95,31 @@ def test_checkpoint_directory_that_is_a_file_is_named_briefly(tmp_path) -> None:
         _fit_with([jd.training.Checkpoint(directory, every_n_steps=1, async_write=False)])
     message = str(info.value)
     assert "is a file, not a directory" in message and len(message) < 1000, message
+
+
+# 9. NNX objects stepped by another strategy ------------------------------------------------
+
+
+def test_nnx_object_placed_by_another_strategy_is_refused_with_the_way_to_move_it() -> None:
+    a = jd.MirroredStrategy(jax.devices()[4:8])
+    b = jd.MirroredStrategy(jax.devices()[:2])
+    model = nnx.Linear(3, 1, rngs=nnx.Rngs(0))
+    ref = nnx.Linear(3, 1, rngs=nnx.Rngs(0))
+
+    def total(ctx, model, x):
+        return ctx.all_reduce("sum", jnp.sum(model(x)))
+
+    x = np.arange(24, dtype=np.float32).reshape(4, 2, 3)
+    jd.train_step(a)(total)(model, jd.PerReplica(x))  # placed on devices 4..7
+    step_b = jd.train_step(b)(total)
+    with pytest.raises(
+        ValueError,
+        match=r"(?s)train_step\(total\): NNX variable `model\.bias` \(args\[0\]\.bias\) lives "
+        r"on devices \[4, 5, 6, 7\], but this step's MirroredStrategy runs on devices \[0, 1\]"
+        r".*nnx\.update\(model, jax\.tree\.map\(np\.asarray, nnx\.state\(model\)\)\)",
+    ):
+        step_b(model, jd.PerReplica(x[:2]))
+    nnx.update(model, jax.tree.map(np.asarray, nnx.state(model)))  # the fix the error gives
+    out = step_b(model, jd.PerReplica(x[:2]))
+    np.testing.assert_allclose(out, np.sum(np.asarray(ref(x[:2].reshape(4, 3)))), rtol=1e-5)
+    assert model.kernel.get_raw_value().sharding.device_set == set(jax.devices()[:2])

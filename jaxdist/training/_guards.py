@@ -16,6 +16,8 @@ per-call fast path:
   function and its file.
 - `warn_host_batch`: a host NumPy batch is broadcast whole to every replica; warned once
   per step function.
+- `check_devices`: NNX state that an earlier step of another strategy placed on other
+  devices is refused with the way to move it, not moved (or failed on) silently.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ __all__ = [
     "HostBatchWarning",
     "StateGuard",
     "check_call",
+    "check_devices",
     "check_outputs",
     "function_label",
     "object_labels",
@@ -302,3 +305,44 @@ def warn_host_batch(
             )
             return True
     return False
+
+
+# Placement ------------------------------------------------------------------------------
+
+
+def check_devices(
+    where: str,
+    strategy: Any,
+    values: Sequence[Any],
+    paths: Sequence[str],
+    labels: Callable[[], Sequence[tuple[str, str]]],
+) -> None:
+    """Raises when NNX state is committed to other devices than the step's strategy places
+    it on (an earlier step of another strategy put it there): it is not moved silently, as
+    a `jaxdist.Variable` of one strategy is refused by another. ``labels`` names the
+    argument objects (computed only for the error)."""
+    if strategy._parameter_placed:
+        target: set[Any] = {strategy.parameter_device}
+    else:
+        target = set(strategy.replicated_sharding.device_set)
+    for i, value in enumerate(values):
+        if not (isinstance(value, jax.Array) and value.committed):
+            continue
+        devices: set[Any] = set(value.sharding.device_set)
+        if devices == target:
+            continue
+        head, _, rest = paths[i].partition(".")
+        named = list(labels())
+        arg, name = named[int(head)] if head.isdigit() and int(head) < len(named) else (head, head)
+        inner = f".{rest}" if rest else ""
+        root = name.split("[")[0].split(".")[0]
+        raise ValueError(
+            f"{where}: NNX variable `{name}{inner}` ({arg}{inner}) lives on devices "
+            f"{sorted(d.id for d in devices)}, but this step's {type(strategy).__name__} "
+            f"runs on devices {sorted(d.id for d in target)}. An NNX object is placed by the "
+            "first train step that runs it (or by jax.device_put); a step of another strategy "
+            "does not move it silently, as a jd.Variable created in one strategy's scope is "
+            "refused by another. To move it on purpose, copy its state to the host first: "
+            f"`nnx.update({root}, jax.tree.map(np.asarray, nnx.state({root})))` (the next step "
+            "places it), for every NNX argument (the optimizer too)."
+        )

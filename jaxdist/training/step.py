@@ -47,6 +47,7 @@ from jaxdist.strategy import Strategy
 from jaxdist.training._guards import (
     StateGuard,
     check_call,
+    check_devices,
     check_outputs,
     object_labels,
     warn_host_batch,
@@ -348,6 +349,8 @@ class TrainStep:
         if self._donate:  # before placing: a donated buffer must not reach the program
             self._check_donated(states, cache, [] if cache is None else cache.read(), args, kwargs)
         if cache is not None:
+            names = functools.partial(object_labels, self._fn, objects, args, kwargs)
+            check_devices(self._where, strategy, cache.read(), cache.paths, names)
             _place(strategy, cache)
         key = (strategy, layout.key(), None if cache is None else cache.graphdef)
         program = self._programs.get(key)

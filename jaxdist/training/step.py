@@ -9,8 +9,10 @@ does), and:
   updated in place afterwards, as ``nnx.jit`` does. Their state comes back as
   one replicated copy: parameters and optimizer state updated from
   all-reduced gradients are already the same on every replica, so this costs
-  no communication; state that does differ (for example BatchNorm statistics
-  of per-replica batches) is averaged across replicas. Random streams are
+  no communication; other state that does differ (for example BatchNorm
+  statistics of per-replica batches) is averaged across replicas, while
+  parameters and optimizer state that differ raise ``ValueError`` (the
+  gradients were not all-reduced; see `jaxdist.training._guards`). Random streams are
   folded with the replica id inside the step, so dropout masks differ between
   replicas, and advance identically, so the stored streams stay replicated.
 - Every other argument and output is functional. An output that is the same

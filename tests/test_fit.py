@@ -260,14 +260,28 @@ def test_eval_accuracy_equals_numpy_over_the_whole_eval_set(make_strategy) -> No
 
 def test_functional_eval_step_must_not_donate() -> None:
     strategy = jd.MirroredStrategy(jax.devices()[:2])
-    donating = jd.train_step(strategy)(lambda ctx, state, batch: {"n": 1.0})
     data = jd.data.from_arrays(*_data(), batch_size=BATCH)
-    with pytest.raises(ValueError, match=r"donate=False"):
+    # A donating train_step given as eval_step is run by fit without donating (and without
+    # writing state back): the functional state survives evaluation.
+    donating = jd.train_step(strategy)(lambda ctx, state, batch: {"n": 1.0})
+    state, history = jd.fit(
+        _functional_step(strategy),
+        _linen_like_state(strategy),
+        data=data,
+        eval_step=donating,
+        eval_data=data,
+        verbose=False,
+    )
+    assert history.history["val_n"] == [1.0]
+    assert not any(x.is_deleted() for x in jax.tree.leaves(state))
+    # Asked to write state back, a donating one would consume the state: refused.
+    writing = jd.train_step(strategy, update_state=True)(lambda ctx, state, batch: {"n": 1.0})
+    with pytest.raises(ValueError, match=r"update_state=True that donates.*donate=False"):
         jd.fit(
             _functional_step(strategy),
             _linen_like_state(strategy),
             data=data,
-            eval_step=donating,
+            eval_step=writing,
             eval_data=data,
         )
 

@@ -80,6 +80,56 @@ def test_every_python_block_has_a_test() -> None:
     assert len(BLOCKS) == len(MARKERS), (len(BLOCKS), sorted(MARKERS))
 
 
+_FENCE = re.compile(r"^```(\w*)\n(.*?)^```$", re.S | re.M)
+_SKIP = re.compile(r"<!-- readme-test: (skip|run by (\w+)\b)[^>]*-->\s*\Z")
+
+
+def test_every_code_block_runs_or_says_why_not() -> None:
+    """Every fenced block of README.md is run by a test: a python block by the test of its
+    marker; any other block only when the HTML comment right before it names the test that
+    runs it (``<!-- readme-test: run by test_name ... -->``), else that comment must say
+    why it is not run (``<!-- readme-test: skip: reason -->``): it launches processes,
+    waits for a signal, or shows output."""
+    unaccounted = []
+    for m in _FENCE.finditer(README):
+        lang, body = m[1], m[2]
+        if lang == "python":
+            assert any(marker in body for marker in MARKERS.values()), body.splitlines()[0]
+            continue
+        before = _SKIP.search(README[: m.start()])
+        if before is None:
+            unaccounted.append(f"```{lang} block starting {body.splitlines()[0]!r}")
+        elif before[2] is not None:
+            assert before[2] in globals(), f"README names test {before[2]}, which does not exist"
+    assert not unaccounted, (
+        f"README.md: {unaccounted} are run by no test; run them in tests/test_readme.py "
+        "(and say so in a `<!-- readme-test: run by test_name -->` comment before the block) "
+        "or put `<!-- readme-test: skip: reason -->` right before them."
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_launcher_block_runs_train_py(tmp_path: pathlib.Path) -> None:
+    """The launcher block's first command, on the README's train.py: 2 processes x 4
+    simulated devices all-reduce across all 8 replicas."""
+    block = next(m[2] for m in _FENCE.finditer(README) if "jaxdist.launch --nprocs 2" in m[2])
+    command = next(line for line in block.splitlines() if line.startswith("python -m"))
+    args = command.split()
+    assert args[:3] == ["python", "-m", "jaxdist.launch"] and args[-1] == "train.py", command
+    (tmp_path / "train.py").write_text(_block("multi_worker"))
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_", "XLA_"))}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    out = subprocess.run(
+        [sys.executable, *args[1:]], env=env, cwd=tmp_path, capture_output=True, text=True,
+        timeout=200,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    for i in range(2):
+        line = f"[{i}] process {i} of 2: 8 replicas, all-reduce of ones = 8.0"
+        assert line in out.stdout.splitlines(), out.stdout[-2000:]
+
+
 @pytest.mark.timeout(120)
 def test_devices_snippet_gives_8_devices_in_a_fresh_interpreter() -> None:
     env = {k: v for k, v in os.environ.items() if k not in ("JAX_NUM_CPU_DEVICES", "XLA_FLAGS")}
@@ -146,7 +196,7 @@ def test_multi_worker_snippet_is_a_one_process_cluster() -> None:
 
 
 def test_variables_snippet_runs() -> None:
-    scope = _run("variables", "import jax, jax.numpy as jnp, jaxdist as jd\n")
+    scope = _run("variables")  # as written: the block has its imports
     assert float(scope["seen"].read_value()) == 10 * 16 * 8
     assert scope["w"].synchronization.name == "ON_WRITE"
     # Reference: the same 10 steps of gradient descent on one device (rtol 1e-5).
@@ -161,7 +211,7 @@ def test_variables_snippet_runs() -> None:
 
 
 def test_input_snippet_runs() -> None:
-    scope = _run("input", "import jax, jax.numpy as jnp, jaxdist as jd\n")
+    scope = _run("input")
     strategy = scope["strategy"]
     rows = sum(
         sum(len(v) for v in strategy.experimental_local_results(b)) for b in scope["per_replica_ds"]

@@ -81,6 +81,7 @@ import numpy as np
 
 from jaxdist._dtypes import lossy_cast, numeric
 from jaxdist._scope import get_strategy
+from jaxdist.checkpoint._finite import refuse_nonfinite
 from jaxdist.values import DistributedValues, Mirrored, PerReplica
 from jaxdist.variables import ShardedVariable, Variable
 from jaxdist.variables._meta import _mirrored_sharding
@@ -408,16 +409,27 @@ class _Hashing:
             self._pool.shutdown(wait=True, cancel_futures=True)
 
 
-def save(directory: str | os.PathLike[str], state: Any) -> None:
+def save(
+    directory: str | os.PathLike[str],
+    state: Any,
+    *,
+    allow_nonfinite: bool = False,
+    where: str = "jaxdist.checkpoint.save",
+) -> None:
     """Writes `to_saveable(state)` to a new ``directory`` with orbax-checkpoint, and a
     checksum manifest (`MANIFEST`) beside it that `restore` verifies.
 
     Args:
         directory: where to write; must not exist yet.
         state: a pytree of arrays, variables and distributed values.
+        allow_nonfinite: save a state holding NaN or infinite values; by
+            default that raises ``ValueError`` and nothing is written.
+        where: the name errors give (private: for `Checkpoint`).
     """
     path = os.path.abspath(directory)
     saveable = to_saveable(state)
+    if not allow_nonfinite:
+        refuse_nonfinite(where, saveable)
     hashing = _Hashing(_indexed("jaxdist.checkpoint.save", saveable))  # while orbax writes
     try:
         ckpt = _checkpointer()

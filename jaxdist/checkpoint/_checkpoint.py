@@ -143,18 +143,24 @@ class Checkpoint:
 
     # Saving -----------------------------------------------------------------------------
 
-    def save(self, file_prefix: str | os.PathLike[str]) -> str:
+    def save(self, file_prefix: str | os.PathLike[str], *, allow_nonfinite: bool = False) -> str:
         """Increments `save_counter` and writes the checkpoint to ``<file_prefix>-<count>``.
+
+        A state holding NaN or infinite values is refused (``ValueError``)
+        unless ``allow_nonfinite=True``.
 
         Returns:
             The path of the checkpoint directory written.
         """
         object.__setattr__(self, "_save_counter", self._save_counter + 1)
-        return self.write(f"{os.fspath(file_prefix)}-{self._save_counter}")
+        path = f"{os.fspath(file_prefix)}-{self._save_counter}"
+        return self.write(path, allow_nonfinite=allow_nonfinite)
 
-    def write(self, path: str | os.PathLike[str]) -> str:
+    def write(self, path: str | os.PathLike[str], *, allow_nonfinite: bool = False) -> str:
         """Writes the checkpoint to the directory ``path`` (replacing one there), without
-        counting it. Every process of a job calls it.
+        counting it. Every process of a job calls it. A state holding NaN or
+        infinite values raises ``ValueError`` (nothing is published) unless
+        ``allow_nonfinite=True``.
 
         Returns:
             The absolute path written.
@@ -176,7 +182,7 @@ class Checkpoint:
             for stale in _leftovers(final):
                 _files.remove_tree(stale)
         _files.barrier("prepared")
-        _arrays.save(tmp, arrays)
+        _arrays.save(tmp, arrays, allow_nonfinite=allow_nonfinite, where=where)
         me = jax.process_index()
         if positions:
             body = {"format": _ITERATOR_FORMAT, "process": me, "iterators": positions}

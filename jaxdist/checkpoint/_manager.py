@@ -168,14 +168,16 @@ class CheckpointManager:
 
     # Saving and restoring ---------------------------------------------------------------
 
-    def save(self, checkpoint_number: Any = None) -> str:
+    def save(self, checkpoint_number: Any = None, *, allow_nonfinite: bool = False) -> str:
         """Saves the checkpoint as ``<checkpoint_name>-<N>`` and deletes the oldest beyond
         ``max_to_keep``.
 
         ``N`` is ``checkpoint_number`` when given (an int, or an integer scalar
         such as a step counter), else the checkpoint's `save_counter`, which
         every save increments either way (as in TF). Saving a number that
-        exists replaces that checkpoint, which becomes the newest.
+        exists replaces that checkpoint, which becomes the newest. A state
+        holding NaN or infinite values is refused (``ValueError``) unless
+        ``allow_nonfinite=True``.
 
         Returns:
             The path of the new checkpoint.
@@ -184,7 +186,7 @@ class CheckpointManager:
         object.__setattr__(ckpt, "_save_counter", ckpt.save_counter + 1)
         number = ckpt.save_counter if checkpoint_number is None else _number(checkpoint_number)
         name = f"{self._name}-{number}"
-        path = ckpt.write(os.path.join(self._directory, name))
+        path = ckpt.write(os.path.join(self._directory, name), allow_nonfinite=allow_nonfinite)
         if name in self._entries:
             self._entries.remove(name)
         self._entries.append(name)

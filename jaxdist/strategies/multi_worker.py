@@ -101,6 +101,7 @@ import jax
 from jaxdist import _launch_config
 from jaxdist._jax_compat import CPU_COLLECTIVE_TIMEOUT_FLAG, distributed_client
 from jaxdist.cluster_resolver import ClusterResolver, initialize, resolve_default
+from jaxdist.cluster_resolver.base import COLLECTIVE_JOBS
 from jaxdist.cluster_resolver.initialize import _backends_initialized, _multi_process_kwargs
 from jaxdist.communication import CommunicationOptions
 from jaxdist.reduce import CrossDeviceOps, cross_device_ops_for
@@ -313,6 +314,16 @@ class MultiWorkerMirroredStrategy(Strategy):
                 f"CommunicationOptions, got {type(communication_options).__name__}."
             )
         resolver = cluster_resolver if cluster_resolver is not None else resolve_default()
+        if resolver is not None and resolver.task_type not in (*COLLECTIVE_JOBS, "evaluator", None):
+            # A ps (or other) task is no worker of this strategy: the resolver's error, not a
+            # silent one-process strategy. An evaluator runs alone beside the job, as in TF.
+            try:
+                resolver.jax_initialize_kwargs()
+            except ValueError as e:
+                raise ValueError(
+                    f"{where}: {e} This strategy runs on the chief and the workers only; "
+                    "parameter servers belong to jd.experimental.ParameterServerStrategy."
+                ) from e
         multi_process = resolver is not None and _multi_process_kwargs(resolver) is not None
         timeout, source, interval = 0.0, "", 0.0
         if multi_process:  # cross-process collectives: watched

@@ -1,7 +1,8 @@
 """Training on top of strategies: train steps, functional state, losses, the fit loop."""
 
+from jaxdist.training._guards import HostBatchWarning
 from jaxdist.training.accumulate import accumulate_gradients
-from jaxdist.training.callbacks import Callback, EarlyStopping, FitLoop
+from jaxdist.training.callbacks import Callback, EarlyStopping, FitLoop, TerminateOnNaN
 from jaxdist.training.checkpoints import Checkpoint, Restored, restore_checkpoint
 from jaxdist.training.fit import FitInterrupted, FitPreempted, History, fit
 from jaxdist.training.losses import compute_average_loss, scale_regularization_loss
@@ -18,7 +19,9 @@ __all__ = [
     "FitPreempted",
     "FitLoop",
     "History",
+    "HostBatchWarning",
     "Restored",
+    "TerminateOnNaN",
     "TrainState",
     "TrainStep",
     "accumulate_gradients",

@@ -14,6 +14,7 @@ from typing import Any
 import jax
 
 from jaxdist.training._interrupts import PREEMPTED_EXIT_CODE, Interrupts
+from jaxdist.training._modes import eval_mode
 from jaxdist.training.callbacks import Callback, FitLoop, functional_result
 from jaxdist.training.checkpoints import Checkpoint, Resumed
 from jaxdist.training.progress import EpochMean, MetricReader, Progress, StepLogs, as_metrics
@@ -400,7 +401,8 @@ class Runner:
             resumed = None
             logs = dict(train_logs)
             if not interrupts.interrupted and self.eval_step is not None:
-                val = self.evaluate(self.eval_step)
+                with eval_mode(loop.state):
+                    val = self.evaluate(self.eval_step)
                 logs.update(val or {})
             if interrupts.interrupted:
                 break

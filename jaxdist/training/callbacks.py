@@ -1,22 +1,24 @@
-"""Callbacks for `jaxdist.fit`: the hook protocol and early stopping.
+"""Callbacks for `jaxdist.fit`: the hook protocol, early stopping and stopping on NaN.
 
 A callback subclasses `Callback` and overrides the hooks it needs. `fit`
 hands every callback the running `FitLoop` (``callback.loop``) before the
 first hook: the training state, the position (epoch, global step) and a
 ``stop_training`` switch. `EarlyStopping` stops when a monitored metric stops
-improving and can put the best state back. The checkpoint callback is in
-`jaxdist.training.checkpoints`.
+improving and can put the best state back; `TerminateOnNaN` stops at the first
+non-finite loss. The checkpoint callback is in `jaxdist.training.checkpoints`.
 """
 
 from __future__ import annotations
 
+import math
+import sys
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
 from jaxdist.training._resume import LoopRecord
 from jaxdist.training._state_io import host_state, load_state
 
-__all__ = ["Callback", "EarlyStopping", "FitLoop"]
+__all__ = ["Callback", "EarlyStopping", "FitLoop", "TerminateOnNaN"]
 
 
 class FitLoop:
@@ -41,6 +43,9 @@ class FitLoop:
         interrupted: True once Ctrl-C or SIGTERM stopped the loop (or a
             ``KeyboardInterrupt`` raised outside a step).
         preempted: True once SIGTERM stopped the loop.
+        nonfinite: set (to what was found, and where) by `TerminateOnNaN` when
+            a loss was NaN or infinite; the `Checkpoint` callback saves
+            nothing once it is set. None otherwise.
     """
 
     def __init__(
@@ -65,6 +70,7 @@ class FitLoop:
         self.stop_training = False
         self.interrupted = False
         self.preempted = False
+        self.nonfinite: str | None = None
         self._record = LoopRecord()  # what a checkpoint records of the loop (private)
 
     def __repr__(self) -> str:
@@ -230,3 +236,65 @@ class EarlyStopping(Callback):
         loop = self.loop
         if self.restore_best and self._best_state is not None and not loop.interrupted:
             loop.state = load_state(self._best_state, loop.state, "jaxdist.training.EarlyStopping")
+
+
+# Stopping on NaN --------------------------------------------------------------------------
+
+
+class TerminateOnNaN(Callback):
+    """Stops training at the first step whose loss is NaN or infinite (Keras's callback).
+
+    After every step it reads the monitored metric (a device sync per step, as
+    in Keras); when it is not finite it prints the step and the epoch to
+    stderr, sets ``loop.stop_training`` and ``loop.nonfinite``, and training
+    stops after that step: `fit` returns as after early stopping
+    (``history.stopped_early``), and the `Checkpoint` callback does not save
+    that state, nor any later one (the last checkpoint stays the last finite
+    state). `fit` runs this callback's hooks before the other callbacks', so
+    a checkpoint due at that very step is not written either.
+
+    Args:
+        monitor: the step metric to check (``"loss"``).
+
+    Attributes:
+        stopped_step: the global step whose loss was not finite (None while
+            training went well); ``stopped_epoch`` its epoch.
+
+    Example:
+        >>> import jaxdist as jd
+        >>> jd.training.TerminateOnNaN().monitor
+        'loss'
+    """
+
+    def __init__(self, monitor: str = "loss") -> None:
+        if not isinstance(monitor, str):
+            raise TypeError(
+                f"jaxdist.training.TerminateOnNaN: monitor must be a metric name, got {monitor!r}."
+            )
+        self.monitor = monitor
+        self.stopped_step: int | None = None
+        self.stopped_epoch: int | None = None
+
+    def on_train_begin(self, logs: dict[str, float]) -> None:
+        self.stopped_step = self.stopped_epoch = None
+
+    def on_step_end(self, step: int, logs: Mapping[str, float]) -> None:
+        if self.monitor not in logs:
+            raise KeyError(
+                f"jaxdist.training.TerminateOnNaN: monitor={self.monitor!r} is not among the "
+                f"step's metrics {sorted(logs)}; pass the name of the loss, e.g. "
+                "TerminateOnNaN(monitor='loss')."
+            )
+        value = float(logs[self.monitor])
+        if math.isfinite(value):
+            return
+        loop = self.loop
+        self.stopped_step, self.stopped_epoch = step, loop.epoch
+        loop.nonfinite = f"{self.monitor} {value} at step {step} (epoch {loop.epoch})"
+        loop.stop_training = True
+        print(
+            f"jaxdist.training.TerminateOnNaN: {loop.nonfinite}; training stops here, and "
+            "this state is not checkpointed.",
+            file=sys.stderr,
+            flush=True,
+        )

@@ -31,7 +31,8 @@ import jax
 
 from jaxdist.checkpoint import Checkpoint as _ItemCheckpoint
 from jaxdist.checkpoint import CheckpointManager
-from jaxdist.training._nnx import is_nnx_node
+from jaxdist.checkpoint._finite import refuse_nonfinite
+from jaxdist.training._nnx import is_nnx_node, nnx_module
 from jaxdist.training._resume import (
     DATA,
     LOOP,
@@ -108,6 +109,39 @@ def _old_format_hint(directory: str) -> str:
     return ""
 
 
+_DIRECTORY_FIX = (
+    "Keep the directory for the whole run (another job or a cleanup script may have removed "
+    "it), or give the Checkpoint a directory this process can write."
+)
+
+
+def _directory_problem(directory: str, missing: str = "disappeared") -> str | None:
+    """What is wrong with a checkpoint directory: None if nothing."""
+    if not os.path.lexists(directory):
+        return missing
+    if not os.path.isdir(directory):
+        return "is a file, not a directory"
+    if not os.access(directory, os.W_OK | os.X_OK):
+        return "is not writable"
+    return None
+
+
+def _short(error: BaseException, limit: int = 300) -> str:
+    """The first ``limit`` characters of an error's message (storage layers can write
+    kilobytes of spec; the whole error stays chained as the cause)."""
+    text = str(error)
+    return text if len(text) <= limit else f"{text[:limit]}... (the whole error is the cause)"
+
+
+def _arrays_of(item: Any) -> Any:
+    """The arrays of a `snapshot`: an NNX object's state, or the pytree itself."""
+    if is_nnx_node(item):
+        nnx = nnx_module()
+        assert nnx is not None
+        return nnx.state(item)
+    return item
+
+
 class Checkpoint(Callback):
     """Saves the training state every few steps and/or every epoch, keeping the last few.
 
@@ -133,6 +167,11 @@ class Checkpoint(Callback):
             process; with several, orbax-checkpoint synchronizes the processes
             with an XLA collective that must not run beside training steps, so
             they write in the training thread).
+        allow_nonfinite: save states holding NaN or infinite values. By
+            default such a save raises ``ValueError`` naming the step, the
+            epoch and the first non-finite arrays, and nothing is written
+            (the latest checkpoint stays the last finite state). After
+            `TerminateOnNaN` stopped training, nothing is saved either way.
 
     Attributes:
         last_checkpoint: the path of the last checkpoint this callback wrote
@@ -152,6 +191,7 @@ class Checkpoint(Callback):
         every_epoch: bool = True,
         keep: int | None = 3,
         async_write: bool = True,
+        allow_nonfinite: bool = False,
     ) -> None:
         where = "jaxdist.training.Checkpoint"
         if every_n_steps is not None and (
@@ -167,6 +207,7 @@ class Checkpoint(Callback):
         self.every_epoch = every_epoch
         self.keep = keep
         self.async_write = async_write
+        self.allow_nonfinite = allow_nonfinite
         self.last_checkpoint: str | None = None
         self._items = _ItemCheckpoint()
         self._bound: set[str] = set()  # the names of the items bound to it
@@ -174,6 +215,7 @@ class Checkpoint(Callback):
         self._last_saved: tuple[int, bool] | None = None
         self._writer: threading.Thread | None = None
         self._failure: tuple[int, BaseException] | None = None
+        self._saved_in_run = False  # this fit run has saved here (the directory must stay)
 
     @property
     def manager(self) -> CheckpointManager:
@@ -192,6 +234,7 @@ class Checkpoint(Callback):
     # Hooks ----------------------------------------------------------------------------
 
     def on_train_begin(self, logs: dict[str, float]) -> None:
+        self._saved_in_run = False
         later = [s for s in self.all_steps() if s > self.loop.step]
         if later:
             raise ValueError(
@@ -228,10 +271,25 @@ class Checkpoint(Callback):
         loop = self.loop
         record = loop._record
         key = (loop.step, record.epoch_ended)
-        if self._last_saved == key:
+        if self._last_saved == key or loop.nonfinite is not None:
             return
         self._wait()
+        problem = _directory_problem(self.directory) if self._saved_in_run else None
+        if problem is not None:
+            raise RuntimeError(
+                f"jaxdist.training.Checkpoint: the checkpoint directory {self.directory} "
+                f"{problem} during the run, after it received this run's checkpoints; they "
+                f"are gone, and the checkpoint of step {loop.step} is not written. "
+                f"{_DIRECTORY_FIX}"
+            )
+        self._saved_in_run = True
         items = {item_name(i): snapshot(s) for i, s in enumerate(loop.state)}
+        if not self.allow_nonfinite:
+            refuse_nonfinite(
+                "jaxdist.training.Checkpoint",
+                {name: _arrays_of(item) for name, item in items.items()},
+                f"the state after step {loop.step} (epoch {loop.epoch})",
+            )
         items[DATA] = Frozen(record.data)
         items[LOOP] = Frozen(record.state(loop.step, loop.epoch, loop.at_epoch_end))
         self._bound = _bind(self._items, items, self._bound)
@@ -251,7 +309,8 @@ class Checkpoint(Callback):
 
     def _write(self, step: int) -> None:
         try:
-            self.last_checkpoint = self.manager.save(checkpoint_number=step)
+            # The state was checked in `save` (host copies: no second pass needed here).
+            self.last_checkpoint = self.manager.save(checkpoint_number=step, allow_nonfinite=True)
         except BaseException as e:  # raised in the training thread by _wait
             self._failure = (step, e)
 
@@ -262,10 +321,19 @@ class Checkpoint(Callback):
             self._writer = None
         if self._failure is not None:
             (step, error), self._failure = self._failure, None
+            problem = _directory_problem(
+                self.directory, "does not exist (removed during the run, or not creatable)"
+            )
+            if problem is not None:
+                raise RuntimeError(
+                    f"jaxdist.training.Checkpoint: the checkpoint directory {self.directory} "
+                    f"{problem}, so the checkpoint of step {step} could not be written "
+                    f"({type(error).__name__}: {_short(error)}). {_DIRECTORY_FIX}"
+                ) from error
             raise RuntimeError(
                 f"jaxdist.training.Checkpoint: writing the checkpoint of step {step} to "
-                f"{self.directory} failed ({type(error).__name__}: {error}); the checkpoints "
-                "written before it are intact."
+                f"{self.directory} failed ({type(error).__name__}: {_short(error)}); the "
+                "checkpoints written before it are intact."
             ) from error
 
     def close(self) -> None:

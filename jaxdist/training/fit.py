@@ -63,6 +63,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any, cast
 
@@ -74,7 +75,7 @@ from jaxdist.strategy import Strategy
 from jaxdist.training._interrupts import Interrupts
 from jaxdist.training._loop import FitInterrupted, FitPreempted, History, Runner
 from jaxdist.training._nnx import is_nnx_node
-from jaxdist.training.callbacks import Callback, FitLoop, functional_result
+from jaxdist.training.callbacks import Callback, FitLoop, TerminateOnNaN, functional_result
 from jaxdist.training.checkpoints import Checkpoint
 from jaxdist.training.progress import Progress, want_bar
 from jaxdist.training.step import TrainStep
@@ -158,6 +159,22 @@ def _distributed(strategy: Strategy, data: Any) -> tuple[Any, int | None]:
     return strategy.experimental_distribute_dataset(data), total
 
 
+_EVALUATION: weakref.WeakKeyDictionary[TrainStep, TrainStep] = weakref.WeakKeyDictionary()
+
+
+def _evaluation_step(eval_step: Callable[..., Any] | None) -> Callable[..., Any] | None:
+    """The form of a `train_step` fit evaluates with: without ``update_state`` given, one
+    that writes nothing back and donates nothing (made once per step, then reused)."""
+    if not isinstance(eval_step, TrainStep) or eval_step._update_state is not None:
+        return eval_step
+    found = _EVALUATION.get(eval_step)
+    if found is None:
+        found = TrainStep(eval_step._fn, eval_step._strategy, donate=False, update_state=False)
+        found._where = f"{_WHERE}: eval_step {getattr(eval_step._fn, '__name__', 'step')}"
+        _EVALUATION[eval_step] = found
+    return found
+
+
 def fit(
     step: Callable[..., Any],
     *state: Any,
@@ -193,8 +210,14 @@ def fit(
             with neither, one epoch.
         eval_step: ``eval_step(*state, batch)`` returning metrics, run over
             ``eval_data`` after every epoch; they are logged with a ``val_``
-            prefix. It must not donate functional state (use
-            ``jd.train_step(strategy, donate=False)`` for it).
+            prefix. It runs with every NNX module among the state in eval mode
+            (``module.eval()``: no dropout, BatchNorm on its running averages),
+            each module's mode put back afterwards. A `jaxdist.train_step`
+            evaluates without writing any state back and without donating
+            (as with ``update_state=False``), and one that updates parameters
+            or optimizer state (the training step given again) raises
+            ``ValueError`` naming eval_step; build it with
+            ``update_state=True`` to have its state written back.
         eval_data: the evaluation data (as ``data``).
         callbacks: `Callback` objects (`Checkpoint`, `EarlyStopping`, ...); at
             most one `Checkpoint`.
@@ -269,17 +292,27 @@ def fit(
                 f"{_WHERE}: callbacks must be jd.training.Callback objects, got "
                 f"{type(cb).__name__}; subclass Callback and override its hooks."
             )
+    # TerminateOnNaN first: a non-finite step is caught before a checkpoint of it is due.
+    callbacks.sort(key=lambda cb: not isinstance(cb, TerminateOnNaN))
     checkpoint = _checkpoint_callback(callbacks, resume, initial_epoch, initial_step)
     if epochs is None and steps is None:
         epochs = initial_epoch + 1
     functional = tuple(not is_nnx_node(s) for s in state)
     _check_state(state, functional)
-    if any(functional) and isinstance(eval_step, TrainStep) and eval_step._donate:
+    if (
+        any(functional)
+        and isinstance(eval_step, TrainStep)
+        and eval_step._donate
+        and eval_step._update_state
+    ):
         raise ValueError(
-            f"{_WHERE}: eval_step is a jd.train_step that donates its arguments (the default), "
-            "so it would consume the functional state it is given and return only metrics. "
-            "Build it with jd.train_step(strategy, donate=False)."
+            f"{_WHERE}: eval_step is a jd.train_step with update_state=True that donates its "
+            "arguments (the default), so it would consume the functional state it is given "
+            "and return only metrics. Build it with jd.train_step(strategy, donate=False), "
+            "or leave update_state at its default (fit then runs it without donating or "
+            "writing state back)."
         )
+    eval_step = _evaluation_step(eval_step)
     strategy = _strategy_for(step, strategy)
     display = Progress(bar=want_bar(progress, sys.stdout, _WHERE), verbose=verbose, epochs=epochs)
     loop = FitLoop(

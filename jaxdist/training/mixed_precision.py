@@ -54,7 +54,8 @@ Example:
     >>> model = nnx.Linear(4, 2, dtype=jnp.bfloat16, param_dtype=jnp.float32,
     ...                    rngs=nnx.Rngs(0))
     >>> opt = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
-    >>> @jd.train_step(jd.MirroredStrategy(jax.devices()[:2]))
+    >>> strategy = jd.MirroredStrategy(jax.devices()[:2])
+    >>> @jd.train_step(strategy)
     ... def step(ctx, model, opt, x, y):
     ...     def loss_fn(m):
     ...         logits = m(x).astype(jnp.float32)  # the loss in float32
@@ -63,8 +64,9 @@ Example:
     ...     opt.update(model, ctx.all_reduce("sum", grads))
     ...     return ctx.all_reduce("sum", loss)
     >>> x, y = jnp.ones((8, 4)), jnp.zeros((8, 2))
-    >>> first = float(step(model, opt, x, y))
-    >>> float(step(model, opt, x, y)) < first
+    >>> xs, ys = jd.PerReplica(x.reshape(2, 4, 4)), jd.PerReplica(y.reshape(2, 4, 2))
+    >>> first = float(step(model, opt, xs, ys))  # 4 rows on each replica
+    >>> float(step(model, opt, xs, ys)) < first
     True
     >>> model(x).dtype, model.kernel.get_value().dtype  # bfloat16 compute, float32 weights
     (dtype(bfloat16), dtype('float32'))

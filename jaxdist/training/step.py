@@ -9,8 +9,10 @@ does), and:
   updated in place afterwards, as ``nnx.jit`` does. Their state comes back as
   one replicated copy: parameters and optimizer state updated from
   all-reduced gradients are already the same on every replica, so this costs
-  no communication; state that does differ (for example BatchNorm statistics
-  of per-replica batches) is averaged across replicas. Random streams are
+  no communication; other state that does differ (for example BatchNorm
+  statistics of per-replica batches) is averaged across replicas, while
+  parameters and optimizer state that differ raise ``ValueError`` (the
+  gradients were not all-reduced; see `jaxdist.training._guards`). Random streams are
   folded with the replica id inside the step, so dropout masks differ between
   replicas, and advance identically, so the stored streams stay replicated.
 - Every other argument and output is functional. An output that is the same
@@ -45,6 +47,14 @@ from jaxdist._scope import get_strategy
 from jaxdist.context import ReplicaContext
 from jaxdist.strategy import Strategy
 from jaxdist.training import _sharded_state as sharded
+from jaxdist.training._guards import (
+    StateGuard,
+    check_call,
+    check_devices,
+    check_outputs,
+    object_labels,
+    warn_host_batch,
+)
 from jaxdist.training._nnx import StateCache, is_nnx_node
 from jaxdist.training._place import placed_copy
 from jaxdist.training._sharded_state import StateDims
@@ -146,8 +156,11 @@ class _StepProgram:
         donate: bool,
         where: str,
         dims: StateDims | None = None,  # state stored sharded (FSDPStrategy)
+        guard: StateGuard | None = None,
+        update_state: bool = True,
     ) -> None:
         self.strategy = strategy
+        n = strategy.num_replicas_in_sync
         self.has_refs = [False]
         has_refs = self.has_refs
 
@@ -178,24 +191,40 @@ class _StepProgram:
                     return x
 
                 out = jax.tree.map(ref, out, is_leaf=lambda x: id(x) in ids)
+            check_outputs(fn, where, out, (_ObjectRef, DistributedValues, Variable, Synced))
             synced: list[Any] = []
             if cache is not None:
                 new = cache.extract(objects, where)
+                assert guard is not None
+                if not update_state:  # nothing written back; parameters must not change
+                    guard.check_unchanged(new, entered)
+                    return out, synced
                 for i, value in enumerate(new):
                     if cache.is_key[i] and value is entered[i]:
                         value = nnx_values[i]  # the stream's key is unchanged: keep its base
                     dim = None if dims is None else dims[0][i]
-                    synced.append(Synced(value, f"NNX variable {cache.paths[i]}", dim))
+                    if dim is not None:  # stored sharded (FSDPStrategy): this device's slice
+                        synced.append(Synced(value, f"NNX variable {cache.paths[i]}", dim))
+                    else:
+                        # Parameters and optimizer state plain, so per-replica ones raise
+                        # (`StateGuard.check`); other state `Synced` (averaged when it differs).
+                        synced.append(guard.output(i, value, Synced, n))
             return out, synced
 
         def program(nnx_values: list[Any], states: list[Any], others: list[Any]) -> Any:
             if dims is not None:
                 nnx_values = sharded.shard_in(nnx_values, dims[0])
                 states = sharded.shard_states_in(states, dims)
-            return replicated(replica_fn, strategy, (nnx_values, states, others), {}, plain=True)
+            out, synced = replicated(
+                replica_fn, strategy, (nnx_values, states, others), {}, plain=True
+            )
+            if guard is not None:
+                guard.check(synced)
+            return out, synced
 
         program.__name__ = f"jaxdist_train_step_{getattr(fn, '__name__', 'fn')}"
-        jitted = self.jitted = jax.jit(program, donate_argnums=(0, 1) if donate else ())
+        donated = ((0, 1) if update_state else (1,)) if donate else ()
+        jitted = self.jitted = jax.jit(program, donate_argnums=donated)
 
         def call(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
             """The jitted step on ``(values, states, others)``."""
@@ -208,12 +237,20 @@ class _StepProgram:
 class TrainStep:
     """A compiled data-parallel training step (made by `train_step`)."""
 
-    def __init__(self, fn: Callable[..., Any], strategy: Strategy | None, donate: bool) -> None:
+    def __init__(
+        self,
+        fn: Callable[..., Any],
+        strategy: Strategy | None,
+        donate: bool,
+        update_state: bool | None = None,
+    ) -> None:
         if not callable(fn):
             raise TypeError(f"jaxdist.train_step: fn must be callable, got {type(fn).__name__}.")
         self._fn = fn
         self._strategy = strategy
         self._donate = donate
+        self._update_state = update_state  # None: True, except as jd.fit's eval_step
+        self._warned_host = False
         self._programs: dict[Any, _StepProgram] = {}
         self._caches: dict[tuple[int, ...], StateCache] = {}
         self._last: tuple[Any, ...] | None = None
@@ -304,6 +341,10 @@ class TrainStep:
                 f"{self._where}: strategy must be a jaxdist.Strategy, got "
                 f"{type(strategy).__name__}."
             )
+        check_call(self._fn, self._where, args, kwargs)
+        if not self._warned_host:
+            n = strategy.num_replicas_in_sync
+            self._warned_host = warn_host_batch(self._fn, self._where, n, args, kwargs)
         layout = _Layout(leaves, treedef)
         objects = tuple(layout.objects(leaves))
         if len({id(o) for o in objects}) != len(objects):
@@ -322,6 +363,9 @@ class TrainStep:
         if self._donate:  # before placing: a donated buffer must not reach the program
             self._check_donated(states, cache, [] if cache is None else cache.read(), args, kwargs)
         dims = sharded.state_dims(strategy, cache, states, self._where)
+        if cache is not None:
+            names = functools.partial(object_labels, self._fn, objects, args, kwargs)
+            check_devices(self._where, strategy, cache.read(), cache.paths, names)
         if cache is not None and dims is not None:
             sharded.place_nnx(strategy, cache, dims[0])
         elif cache is not None:
@@ -329,8 +373,13 @@ class TrainStep:
         key = (strategy, layout.key(), None if cache is None else cache.graphdef, dims)
         program = self._programs.get(key)
         if program is None:
+            guard = None
+            if cache is not None:
+                labels = object_labels(self._fn, objects, args, kwargs)
+                guard = StateGuard(cache.variables, cache.paths, labels, self._where)
+            update = self._update_state is not False
             program = _StepProgram(
-                self._fn, strategy, layout, cache, self._donate, self._where, dims
+                self._fn, strategy, layout, cache, self._donate, self._where, dims, guard, update
             )
             self._programs[key] = program
         self._last = (strategy, treedef, layout, cache, program)
@@ -351,7 +400,8 @@ class TrainStep:
             if central:
                 param = jax.sharding.SingleDeviceSharding(strategy.parameter_device)
                 new_values = jax.device_put(new_values, param)
-            cache.write(new_values)
+            if self._update_state is not False:
+                cache.write(new_values)
             if program.has_refs[0]:
                 objects = cache.objects
                 out = jax.tree.map(
@@ -440,6 +490,7 @@ def train_step(
     strategy: Strategy | None = None,
     *,
     donate: bool = True,
+    update_state: bool | None = None,
 ) -> Any:
     """Decorator: a compiled data-parallel train step over ``fn(ctx, *args, **kwargs)``.
 
@@ -448,6 +499,14 @@ def train_step(
             enclosing ``strategy.scope()`` at call time (the default strategy
             outside any scope).
         donate: donate the buffers of NNX state and `TrainState` arguments.
+        update_state: write the NNX objects' new state back after each call.
+            ``False`` makes an evaluation step: nothing is written back (not
+            even BatchNorm statistics or random-stream counters), the NNX
+            state is not donated, and a step that updates parameters or
+            optimizer state raises ``ValueError``. The default (``None``)
+            writes back, except when `jaxdist.fit` runs the step as its
+            ``eval_step`` (there it acts as ``False``); pass ``True`` to have
+            fit's evaluation write state back.
 
     Use as ``@jd.train_step(strategy)``, ``@jd.train_step()`` or
     ``@jd.train_step``. The result is called with the step's arguments (without
@@ -482,6 +541,12 @@ def train_step(
         )
     if not isinstance(donate, bool):
         raise TypeError(f"jaxdist.train_step: donate must be a bool, got {donate!r}.")
+    if update_state is not None and not isinstance(update_state, bool):
+        raise TypeError(
+            f"jaxdist.train_step: update_state must be True, False or None, got {update_state!r}."
+        )
     if fn is None:
-        return functools.partial(TrainStep, strategy=strategy, donate=donate)
-    return TrainStep(fn, strategy, donate)
+        return functools.partial(
+            TrainStep, strategy=strategy, donate=donate, update_state=update_state
+        )
+    return TrainStep(fn, strategy, donate, update_state)

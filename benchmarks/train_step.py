@@ -15,11 +15,12 @@ placed batch. Sides:
 
 Targets (issue 9): ``train_step`` throughput ratio >= 0.97 vs ``shard_map``.
 
-``--overhead`` instead measures the per-call cost on one device with a tiny
-model (where Python work dominates): hand-written ``jax.jit`` with donation,
-``nnx.split``/``merge`` around ``jax.jit``, ``nnx.jit``, and ``jd.train_step``.
+``--overhead [case ...]`` instead measures the per-call cost with models of
+little compute (where Python work dominates; cases in ``OVERHEAD_CASES``, all by
+default): hand-written ``jax.jit`` with donation, ``nnx.split``/``merge`` around
+``jax.jit``, ``nnx.jit``, ``jd.train_step`` and ``strategy.function``.
 
-Usage: python benchmarks/train_step.py [--overhead]
+Usage: python benchmarks/train_step.py [--overhead [mlp32] [deep48] [deep48x8]]
 """
 
 from __future__ import annotations
@@ -198,14 +199,32 @@ def main() -> None:
         print(f"{name:18s} {1 / t:8.2f} steps/s   throughput ratio vs shard_map {base / t:.3f}")
 
 
-def overhead() -> None:
-    """Per-call cost on one device with a tiny model: Python work dominates."""
-    sizes, batch = (32, 32, 10), 64
-    strategy = jd.OneDeviceStrategy()
+OVERHEAD_CASES = {
+    # name: (layer sizes, batch, replicas, calls per round, rounds)
+    "mlp32": ((32, 32, 10), 64, 1, 300, 21),
+    "deep48": ((8,) * 49, 64, 1, 100, 15),  # 48 Linear(8, 8): 290 state leaves
+    "deep48x8": ((8,) * 49, 64, 8, 50, 11),
+}
+
+
+def _shape(sizes: tuple[int, ...]) -> str:
+    if len(set(sizes)) == 1:
+        return f"{len(sizes) - 1} x Linear({sizes[0]}, {sizes[0]})"
+    return "-".join(map(str, sizes))
+
+
+def overhead(case: str) -> None:
+    """Per-call cost with a model of little compute (Python work dominates): ``mlp32`` is
+    an MLP 32-32-10 on one device, ``deep48`` 48 layers ``Linear(8, 8)`` (290 state
+    leaves with adamw: per-leaf cost shows) on one device, ``deep48x8`` the same over 8
+    replicas."""
+    sizes, batch, replicas, calls, rounds = OVERHEAD_CASES[case]
+    strategy = jd.OneDeviceStrategy() if replicas == 1 else jd.MirroredStrategy()
     cands = candidates(strategy, sizes, batch)
     tx = optax.adamw(1e-3)
     model = MLP(sizes, nnx.Rngs(0))
     opt = nnx.Optimizer(model, tx, wrt=nnx.Param)
+    leaves = len(jax.tree.leaves(nnx.state((model, opt))))
     x, y = jnp.ones((batch, sizes[0])), jnp.zeros((batch,), jnp.int32)
 
     @jax.jit
@@ -223,15 +242,20 @@ def overhead() -> None:
 
     cands = {
         "jax.jit (hand)": cands["shard_map"],
-        "split/merge+jit": run_split,
         "nnx.jit": cands["nnx.jit"],
         "train_step nnx": cands["train_step nnx"],
         "train_step linen": cands["train_step linen"],
+        "strategy.function": cands["strategy.function"],
     }
-    samples = _harness.sample(cands, calls=300, rounds=21)
+    if replicas == 1:
+        cands["split/merge+jit"] = run_split
+    samples = _harness.sample(cands, calls=calls, rounds=rounds)
     ratios = _harness.paired_ratios(samples, "jax.jit (hand)")
     print(_harness.describe_machine())
-    print(f"one device, MLP {'-'.join(map(str, sizes))}, adamw, batch {batch}")
+    print(
+        f"{case}: {replicas} replica(s), MLP {_shape(sizes)} ({leaves} state "
+        f"leaves), adamw, batch {batch}"
+    )
     for name, times in samples.items():
         med, q1, q3 = ratios[name]
         print(
@@ -243,6 +267,8 @@ def overhead() -> None:
 if __name__ == "__main__":
     _harness.setup_devices(8)
     if "--overhead" in sys.argv:
-        overhead()
+        named = [a for a in sys.argv[1:] if a in OVERHEAD_CASES]
+        for case in named or list(OVERHEAD_CASES):
+            overhead(case)
     else:
         main()

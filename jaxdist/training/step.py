@@ -30,13 +30,16 @@ The NNX graph is walked once per structure, not per call (see
 
 from __future__ import annotations
 
+import collections.abc
 import functools
 import inspect
+import itertools
 import operator
 from collections.abc import Callable
 from typing import Any
 
 import jax
+import numpy as np
 
 from jaxdist._compile import Synced, replicated
 from jaxdist._jax_compat import concrete_array_type, is_tracer
@@ -44,10 +47,11 @@ from jaxdist._programs import LoweredStep
 from jaxdist._scope import get_strategy
 from jaxdist.context import ReplicaContext
 from jaxdist.strategy import Strategy
+from jaxdist.training._grouped import Stacked, runs, scan_steps, stack_batches, take_states
 from jaxdist.training._nnx import StateCache, is_nnx_node
 from jaxdist.training._place import placed_copy
 from jaxdist.training.state import TrainState
-from jaxdist.values import DistributedValues
+from jaxdist.values import DistributedValues, PerReplica
 from jaxdist.variables import Variable
 
 __all__ = ["TrainStep", "train_step"]
@@ -70,7 +74,9 @@ def _is_state_node(x: Any) -> bool:
     t = type(x)
     known = _LEAF_TYPES.get(t)
     if known is None:
-        known = isinstance(x, (TrainState, DistributedValues, Variable)) or is_nnx_node(x)
+        known = isinstance(x, (TrainState, DistributedValues, Variable, Stacked)) or is_nnx_node(
+            x
+        )
         if not is_tracer(x):
             _LEAF_TYPES[t] = known
     return known
@@ -143,14 +149,17 @@ class _StepProgram:
         cache: StateCache | None,
         donate: bool,
         where: str,
+        grouped: bool = False,
+        stack: bool = False,
     ) -> None:
         self.strategy = strategy
         self.has_refs = [False]
         has_refs = self.has_refs
 
-        def replica_fn(
+        def one_step(
             ctx: ReplicaContext, nnx_values: list[Any], states: list[Any], others: list[Any]
-        ) -> Any:
+        ) -> tuple[Any, list[Any]]:
+            """One step: (the step's output, the NNX values after it)."""
             objects: tuple[Any, ...] = ()
             entered = list(nnx_values)
             if cache is not None:
@@ -173,17 +182,66 @@ class _StepProgram:
                     return x
 
                 out = jax.tree.map(ref, out, is_leaf=lambda x: id(x) in ids)
-            synced: list[Any] = []
+            new: list[Any] = []
             if cache is not None:
-                new = cache.extract(objects, where)
-                for i, value in enumerate(new):
+                for i, value in enumerate(cache.extract(objects, where)):
                     if cache.is_key[i] and value is entered[i]:
                         value = nnx_values[i]  # the stream's key is unchanged: keep its base
-                    synced.append(Synced(value, f"NNX variable {cache.paths[i]}"))
-            return out, synced
+                    new.append(value)
+            return out, new
+
+        def synced(values: list[Any]) -> list[Any]:
+            assert cache is not None or not values
+            return [
+                Synced(v, f"NNX variable {cache.paths[i]}")  # type: ignore[union-attr]
+                for i, v in enumerate(values)
+            ]
+
+        def replica_fn(
+            ctx: ReplicaContext, nnx_values: list[Any], states: list[Any], others: list[Any]
+        ) -> Any:
+            out, new = one_step(ctx, nnx_values, states, others)
+            return out, synced(new)
+
+        def grouped_fn(
+            ctx: ReplicaContext, nnx_values: list[Any], states: list[Any], others: list[Any]
+        ) -> Any:
+            """The steps of a group: `scan_steps` over the `Stacked` batch among ``others``."""
+            (pos,) = [i for i, x in enumerate(others) if isinstance(x, Stacked)]
+            statics: list[Any] = []
+
+            def one(carry: tuple[list[Any], list[Any]], batch: Any) -> Any:
+                values, states_in = carry
+                rest = list(others)
+                rest[pos] = batch
+                out, new = one_step(ctx, values, states_in, rest)
+                new_states, leaves, tree, state_at = take_states(out, len(states_in), where)
+                arrays = [i for i, x in enumerate(leaves) if i not in state_at and _is_array(x)]
+                statics[:] = [tree, leaves, arrays, state_at]
+                return (new, new_states), [jax.numpy.asarray(leaves[i]) for i in arrays]
+
+            n_values = len(nnx_values)
+
+            def label(i: int) -> tuple[str, bool]:
+                if i < n_values:
+                    return f"{where}: NNX variable {cache.paths[i]}", True  # type: ignore
+                return f"{where}: an array of a TrainState argument", False
+
+            (values, new_states), stacked = scan_steps(
+                one, (nnx_values, states), others[pos].tree, ctx.axis_name, label
+            )
+            tree, leaves, arrays, state_at = statics
+            leaves = list(leaves)
+            for i, y in zip(arrays, stacked, strict=True):
+                leaves[i] = y if stack else y[-1]
+            for i, state in zip(state_at, new_states, strict=True):
+                leaves[i] = state
+            return jax.tree.unflatten(tree, leaves), synced(values)
+
+        step_fn = grouped_fn if grouped else replica_fn
 
         def program(nnx_values: list[Any], states: list[Any], others: list[Any]) -> Any:
-            return replicated(replica_fn, strategy, (nnx_values, states, others), {}, plain=True)
+            return replicated(step_fn, strategy, (nnx_values, states, others), {}, plain=True)
 
         program.__name__ = f"jaxdist_train_step_{getattr(fn, '__name__', 'fn')}"
         jitted = self.jitted = jax.jit(program, donate_argnums=(0, 1) if donate else ())
@@ -199,12 +257,27 @@ class _StepProgram:
 class TrainStep:
     """A compiled data-parallel training step (made by `train_step`)."""
 
-    def __init__(self, fn: Callable[..., Any], strategy: Strategy | None, donate: bool) -> None:
+    def __init__(
+        self,
+        fn: Callable[..., Any],
+        strategy: Strategy | None,
+        donate: bool,
+        steps_per_execution: int = 1,
+        stack_outputs: bool = False,
+        *,
+        _grouped: bool = False,
+    ) -> None:
         if not callable(fn):
             raise TypeError(f"jaxdist.train_step: fn must be callable, got {type(fn).__name__}.")
         self._fn = fn
         self._strategy = strategy
         self._donate = donate
+        self.steps_per_execution = steps_per_execution
+        self._stack = stack_outputs
+        self._grouped = _grouped
+        # The program over a group of batches (`_call_group`): a step of its own, with its
+        # own caches, made on the first grouped call.
+        self._group_step: TrainStep | None = None
         self._programs: dict[Any, _StepProgram] = {}
         self._caches: dict[tuple[int, ...], StateCache] = {}
         self._last: tuple[Any, ...] | None = None
@@ -317,7 +390,16 @@ class TrainStep:
         key = (strategy, layout.key(), None if cache is None else cache.graphdef)
         program = self._programs.get(key)
         if program is None:
-            program = _StepProgram(self._fn, strategy, layout, cache, self._donate, self._where)
+            program = _StepProgram(
+                self._fn,
+                strategy,
+                layout,
+                cache,
+                self._donate,
+                self._where,
+                grouped=self._grouped,
+                stack=self._stack,
+            )
             self._programs[key] = program
         self._last = (strategy, treedef, layout, cache, program)
         states = [_placed_state(strategy, s) for s in states]
@@ -325,6 +407,52 @@ class TrainStep:
         return strategy, layout, cache, program, values, states, others
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self.steps_per_execution == 1 or self._grouped:
+            return self._call_one(args, kwargs)
+        return self._call_group(args, kwargs)
+
+    def _call_group(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """Takes up to ``steps_per_execution`` batches from the iterator among the
+        arguments and runs them: runs of stackable batches (`runs`) in one program each,
+        any other batch as a single step."""
+        leaves, treedef = jax.tree.flatten((args, kwargs), is_leaf=_is_state_node)
+        where = [i for i, x in enumerate(leaves) if isinstance(x, collections.abc.Iterator)]
+        if len(where) != 1:
+            raise TypeError(
+                f"{self._where}: with steps_per_execution={self.steps_per_execution}, pass "
+                "one iterator of batches where the step's batch goes (for example "
+                "`iter(strategy.experimental_distribute_dataset(dataset))`); each call takes "
+                f"the next {self.steps_per_execution} batches from it. Got "
+                f"{len(where)} iterators among the arguments."
+            )
+        (pos,) = where
+        batches = list(itertools.islice(leaves[pos], self.steps_per_execution))
+        if not batches:
+            raise StopIteration
+        state_at = [i for i, x in enumerate(leaves) if isinstance(x, TrainState)]
+        outs: list[tuple[Any, bool]] = []
+        for run in runs(batches):
+            grouped = len(run) > 1
+            leaves[pos] = stack_batches(run) if grouped else run[0]
+            a, kw = jax.tree.unflatten(treedef, leaves)
+            if grouped:
+                if self._group_step is None:
+                    self._group_step = TrainStep(
+                        self._fn, self._strategy, self._donate, 1, self._stack, _grouped=True
+                    )
+                out = self._group_step._call_one(a, kw)
+            else:
+                out = self._call_one(a, kw)
+            outs.append((out, grouped))
+            if state_at:  # the next run starts from the states this one returned
+                new, _, _, _ = take_states(out, len(state_at), self._where)
+                for i, state in zip(state_at, new, strict=True):
+                    leaves[i] = state
+        if not self._stack:
+            return outs[-1][0]
+        return _concat_outputs(outs, len(state_at), self._where)
+
+    def _call_one(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         strategy, _, cache, program, values, states, others = self._prepare(args, kwargs)
         central = strategy._parameter_placed
         if central and values:  # central storage: NNX state lives on the parameter device
@@ -352,6 +480,48 @@ class TrainStep:
 
     def __repr__(self) -> str:
         return f"<jaxdist.train_step of {self._fn!r}>"
+
+
+def _concat_outputs(outs: list[tuple[Any, bool]], n_states: int, where: str) -> Any:
+    """The outputs of a group's runs as one, each array output stacked over the group's
+    steps (the states: the last run's)."""
+    parts = []
+    for out, grouped in outs:
+        _, leaves, tree, state_at = take_states(out, n_states, where)
+        if not grouped:  # a single step: a new leading axis of one
+            leaves = [
+                x if i in state_at else _stack_one(x) for i, x in enumerate(leaves)
+            ]
+        parts.append(leaves)
+    if len(parts) == 1:
+        return jax.tree.unflatten(tree, parts[0])
+    _, _, tree, state_at = take_states(outs[-1][0], n_states, where)
+    joined = [
+        parts[-1][i] if i in state_at else _join(column)
+        for i, column in enumerate(zip(*parts, strict=True))
+    ]
+    return jax.tree.unflatten(tree, joined)
+
+
+def _stack_one(x: Any) -> Any:
+    if isinstance(x, PerReplica):
+        return PerReplica(x.array[:, None])
+    if _is_array(x):
+        return x[None]
+    return x
+
+
+def _join(column: tuple[Any, ...]) -> Any:
+    first = column[0]
+    if isinstance(first, PerReplica):
+        return PerReplica(jax.numpy.concatenate([x.array for x in column], axis=1))
+    if _is_array(first):
+        return jax.numpy.concatenate(column, axis=0)
+    return column[-1]
+
+
+def _is_array(x: Any) -> bool:
+    return isinstance(x, (jax.Array, np.ndarray, np.generic))
 
 
 def _probe(state: TrainState) -> Any:
@@ -423,6 +593,8 @@ def train_step(
     strategy: Strategy | None = None,
     *,
     donate: bool = True,
+    steps_per_execution: int = 1,
+    stack_outputs: bool = False,
 ) -> Any:
     """Decorator: a compiled data-parallel train step over ``fn(ctx, *args, **kwargs)``.
 
@@ -431,6 +603,20 @@ def train_step(
             enclosing ``strategy.scope()`` at call time (the default strategy
             outside any scope).
         donate: donate the buffers of NNX state and `TrainState` arguments.
+        steps_per_execution: run this many steps in one compiled call (Keras's
+            name and meaning). ``fn`` is still written for one batch; the caller
+            passes an iterator of distributed batches where the batch goes
+            (``iter(strategy.experimental_distribute_dataset(...))``), and each
+            call takes the next ``steps_per_execution`` batches from it (fewer at
+            the end of the data; a call with none left raises ``StopIteration``)
+            and runs the steps in a ``lax.scan``, with the results of as many
+            single steps. A step over `TrainState` arguments must return each
+            one's new value (``return state, loss``). A padded last batch, or one
+            shaped unlike the group's first, runs as a single step.
+        stack_outputs: with ``steps_per_execution``, return every step's outputs
+            stacked on a new leading axis (axis 1 of a `PerReplica`, after the
+            replica axis; `TrainState` outputs are the last step's) instead of the
+            last step's.
 
     Use as ``@jd.train_step(strategy)``, ``@jd.train_step()`` or
     ``@jd.train_step``. The result is called with the step's arguments (without
@@ -465,6 +651,22 @@ def train_step(
         )
     if not isinstance(donate, bool):
         raise TypeError(f"jaxdist.train_step: donate must be a bool, got {donate!r}.")
-    if fn is None:
-        return functools.partial(TrainStep, strategy=strategy, donate=donate)
-    return TrainStep(fn, strategy, donate)
+    if (
+        not isinstance(steps_per_execution, int)
+        or isinstance(steps_per_execution, bool)
+        or steps_per_execution < 1
+    ):
+        raise ValueError(
+            "jaxdist.train_step: steps_per_execution must be an int >= 1 (the number of "
+            f"steps one call runs), got {steps_per_execution!r}."
+        )
+    if not isinstance(stack_outputs, bool):
+        raise TypeError(f"jaxdist.train_step: stack_outputs must be a bool, got {stack_outputs!r}.")
+    make = functools.partial(
+        TrainStep,
+        strategy=strategy,
+        donate=donate,
+        steps_per_execution=steps_per_execution,
+        stack_outputs=stack_outputs,
+    )
+    return make if fn is None else make(fn)

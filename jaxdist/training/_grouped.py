@@ -6,9 +6,10 @@ and runs the step function over them with a `jax.lax.scan` inside the
 replicated program. The step's state (the NNX variables, the `TrainState`
 arguments) is the scan's carry:
 
-- it enters each iteration typed as the same on every replica (it is: it left
-  the previous one synchronised), so gradients taken inside are per-replica as
-  in a single step;
+- it is carried typed as the same on every replica (it is: it left the
+  previous iteration synchronised) and enters the step function cast to
+  per-replica, as a single step's broadcast inputs do, so gradients taken
+  inside are each replica's own;
 - after each iteration, a value that differs between replicas is averaged
   when it is a float (per-replica statistics, as a single step averages them
   when it returns), else it is an error, as for a single step; the analysis
@@ -146,7 +147,10 @@ def scan_steps(
     n_carry = len(carry_leaves)
 
     def flat_one(*xs: Any) -> list[Any]:
-        c = jax.tree.unflatten(carry_tree, list(xs[:n_carry]))
+        # Per-replica inside the step, as a single step's broadcast inputs are: gradients
+        # with respect to them are then this replica's own (JAX sums the gradient of an
+        # input typed invariant over the replicas).
+        c = jax.tree.unflatten(carry_tree, [lax.pcast(x, axis, to="varying") for x in xs[:n_carry]])
         b = jax.tree.unflatten(batch_tree, list(xs[n_carry:]))
         new, outs = one(c, b)
         new_leaves, new_tree = jax.tree.flatten(new)

@@ -163,7 +163,7 @@ def test_random_streams_advance_as_in_single_steps() -> None:
     step = _nnx_step(strategy, steps_per_execution=3, stack_outputs=True)
     it = _iterator(strategy, rows=96)
     grouped = np.concatenate([np.asarray(step(model, opt, it)) for _ in range(2)])
-    single, single_model = _single_steps(strategy, dropout=0.5)
+    single, _ = _single_steps(strategy, dropout=0.0)
     single96 = []
     model1, opt1 = _make_nnx(strategy, dropout=0.5)
     step1 = _nnx_step(strategy)
@@ -254,7 +254,9 @@ def test_train_state_steps_grouped_equal_plain_optax(make_strategy) -> None:
     params, opt_state, ref = w0, tx.init(w0), []
     for i in range(0, ROWS, BATCH):
         xb, yb = x[i : i + BATCH], y[i : i + BATCH]
-        loss, g = jax.value_and_grad(lambda p: jnp.mean((apply(p, xb) - yb) ** 2))(params)
+        loss, g = jax.value_and_grad(lambda p, xb=xb, yb=yb: jnp.mean((apply(p, xb) - yb) ** 2))(
+            params
+        )
         updates, opt_state = tx.update(g, opt_state, params)
         params = optax.apply_updates(params, updates)
         ref.append(float(loss))
@@ -303,3 +305,111 @@ def test_grouped_step_errors() -> None:
 
     with pytest.raises(ValueError, match=r"must return the new value of each of its 1 TrainState"):
         loss_only(state, _iterator(strategy))
+
+
+# fit(..., steps_per_execution=k) ----------------------------------------------------------
+
+
+class _Steps(jd.training.Callback):
+    """Records every step's number, loss and the optimizer step it saw."""
+
+    def __init__(self) -> None:
+        self.steps: list[int] = []
+        self.losses: list[float] = []
+
+    def on_step_end(self, step, logs) -> None:
+        self.steps.append(step)
+        self.losses.append(float(logs["loss"]))
+
+
+def _fit(strategy: jd.Strategy, k: int | None, **kw):
+    model, opt = _make_nnx(strategy)
+    seen = _Steps()
+    history = jd.fit(
+        _nnx_step(strategy),
+        model,
+        opt,
+        data=jd.data.from_arrays(*_data(), batch_size=BATCH),
+        callbacks=[seen],
+        progress=False,
+        verbose=False,
+        steps_per_execution=k,
+        **kw,
+    )
+    return history, seen, model, opt
+
+
+@pytest.mark.parametrize("make_strategy", strategy_params("one_device", "mirrored8"))
+def test_fit_steps_per_execution_logs_every_step_like_single_steps(make_strategy) -> None:
+    strategy = make_strategy()
+    history, seen, model, opt = _fit(strategy, 4, epochs=2)
+    history1, seen1, model1, _ = _fit(strategy, None, epochs=2)
+    assert seen.steps == seen1.steps == list(range(1, 13))  # 6 batches a epoch
+    assert history.step == 12 and int(opt.step.get_value()) == 12
+    np.testing.assert_allclose(seen.losses, seen1.losses, **SAME)
+    np.testing.assert_allclose(history.history["loss"], history1.history["loss"], **SAME)
+    ref, ref_model = _reference(*_data())
+    np.testing.assert_allclose(seen.losses[:6], ref, **REF)
+    for a, b in zip(_params(model), _params(model1), strict=True):
+        np.testing.assert_allclose(a, b, **SAME)
+
+
+def test_fit_steps_per_execution_stops_at_the_step_limit() -> None:
+    strategy = jd.MirroredStrategy(jax.devices()[:2])
+    history, seen, model, opt = _fit(strategy, 4, steps=7)
+    assert seen.steps == list(range(1, 8))
+    assert history.step == 7 and int(opt.step.get_value()) == 7
+    _, _, model1, _ = _fit(strategy, 1, steps=7)
+    for a, b in zip(_params(model), _params(model1), strict=True):
+        np.testing.assert_allclose(a, b, **SAME)
+
+
+def test_fit_steps_per_execution_with_a_train_state_and_its_errors() -> None:
+    strategy = jd.MirroredStrategy(jax.devices()[:2])
+    tx = optax.sgd(0.1)
+
+    def make():
+        with strategy.scope():
+            return jd.TrainState.create(
+                apply_fn=lambda p, x: x @ p, params=jnp.zeros((6, 3)), tx=tx
+            )
+
+    @jd.train_step(strategy, steps_per_execution=3)
+    def step(ctx, state, batch):
+        x, y = batch
+
+        def loss_fn(p):
+            return jd.compute_average_loss(jnp.mean((state.apply_fn(p, x) - y) ** 2, axis=-1))
+
+        loss, grads = jax.value_and_grad(loss_fn)(state.params)
+        return state.apply_gradients(grads=ctx.all_reduce("sum", grads)), {
+            "loss": ctx.all_reduce("sum", loss)
+        }
+
+    data = jd.data.from_arrays(*_data(), batch_size=BATCH)
+    state, history = jd.fit(step, make(), data=data, progress=False, verbose=False)
+    state1, history1 = jd.fit(
+        step, make(), data=data, progress=False, verbose=False, steps_per_execution=1
+    )
+    assert int(state.step) == int(state1.step) == 6
+    np.testing.assert_allclose(np.asarray(state.params), np.asarray(state1.params), **SAME)
+    np.testing.assert_allclose(history.history["loss"], history1.history["loss"], **SAME)
+
+    x, y = _data()
+    w = np.zeros((6, 3), np.float32)
+    for i in range(0, ROWS, BATCH):
+        xb, yb = x[i : i + BATCH], y[i : i + BATCH]
+        g = jax.grad(lambda p, xb=xb, yb=yb: jnp.mean((xb @ p - yb) ** 2))(w)
+        w = w - 0.1 * np.asarray(g)
+    np.testing.assert_allclose(np.asarray(state.params), w, **REF)
+
+    with pytest.raises(ValueError, match=r"cannot be combined with a jd.training.Checkpoint"):
+        jd.fit(
+            step,
+            make(),
+            data=data,
+            callbacks=[jd.training.Checkpoint("unused-dir", every_n_steps=1)],
+            progress=False,
+        )
+    with pytest.raises(TypeError, match=r"needs a jd.train_step as the step"):
+        jd.fit(lambda s, b: (s, 0.0), make(), data=data, steps_per_execution=2, progress=False)

@@ -29,6 +29,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from jaxdist._invariance import analyze, assume_invariant
@@ -36,7 +37,15 @@ from jaxdist._jax_compat import eval_jaxpr, varies
 from jaxdist.training.state import TrainState
 from jaxdist.values import DistributedValues, PerReplica
 
-__all__ = ["Stacked", "runs", "scan_steps", "stack_batches", "take_states"]
+__all__ = [
+    "Stacked",
+    "concat_outputs",
+    "runs",
+    "scan_steps",
+    "stack_batches",
+    "take_states",
+    "unstack_outputs",
+]
 
 
 class Stacked:
@@ -185,3 +194,59 @@ def scan_steps(
 
     final, stacked = lax.scan(body, carry_leaves, batch_leaves)
     return jax.tree.unflatten(carry_tree, final), stacked
+
+
+def concat_outputs(outs: list[tuple[Any, int]], n_states: int, where: str) -> Any:
+    """The outputs of a group's runs as one: each array output stacked over the group's
+    steps (axis 1 of a `PerReplica`), the `TrainState`s the last run's."""
+    parts = []
+    for out, steps in outs:
+        _, leaves, tree, state_at = take_states(out, n_states, where)
+        if steps == 1:  # a single step: a new leading axis of one
+            leaves = [x if i in state_at else _with_step_axis(x) for i, x in enumerate(leaves)]
+        parts.append(leaves)
+    joined = [
+        parts[-1][i] if i in state_at else _join(column)
+        for i, column in enumerate(zip(*parts, strict=True))
+    ]
+    return jax.tree.unflatten(tree, joined)
+
+
+def unstack_outputs(out: Any, steps: int, n_states: int, where: str) -> list[Any]:
+    """A run's output as one output per step (``out`` itself for a single step)."""
+    if steps == 1:
+        return [out]
+    _, leaves, tree, state_at = take_states(out, n_states, where)
+    return [
+        jax.tree.unflatten(
+            tree, [x if i in state_at else _step_of(x, j) for i, x in enumerate(leaves)]
+        )
+        for j in range(steps)
+    ]
+
+
+def _with_step_axis(x: Any) -> Any:
+    if isinstance(x, PerReplica):
+        return PerReplica(x.array[:, None])
+    if isinstance(x, (jax.Array, np.ndarray, np.generic)):
+        return x[None]
+    return x
+
+
+def _step_of(x: Any, j: int) -> Any:
+    if isinstance(x, PerReplica):
+        return PerReplica(x.array[:, j])
+    if isinstance(x, (jax.Array, np.ndarray)):
+        return x[j]
+    return x
+
+
+def _join(column: tuple[Any, ...]) -> Any:
+    if len(column) == 1:
+        return column[0]
+    first = column[0]
+    if isinstance(first, PerReplica):
+        return PerReplica(jnp.concatenate([x.array for x in column], axis=1))
+    if isinstance(first, (jax.Array, np.ndarray, np.generic)):
+        return jnp.concatenate(column, axis=0)
+    return column[-1]

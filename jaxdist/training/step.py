@@ -47,11 +47,19 @@ from jaxdist._programs import LoweredStep
 from jaxdist._scope import get_strategy
 from jaxdist.context import ReplicaContext
 from jaxdist.strategy import Strategy
-from jaxdist.training._grouped import Stacked, runs, scan_steps, stack_batches, take_states
+from jaxdist.training._grouped import (
+    Stacked,
+    concat_outputs,
+    runs,
+    scan_steps,
+    stack_batches,
+    take_states,
+    unstack_outputs,
+)
 from jaxdist.training._nnx import StateCache, is_nnx_node
 from jaxdist.training._place import placed_copy
 from jaxdist.training.state import TrainState
-from jaxdist.values import DistributedValues, PerReplica
+from jaxdist.values import DistributedValues
 from jaxdist.variables import Variable
 
 __all__ = ["TrainStep", "train_step"]
@@ -74,9 +82,7 @@ def _is_state_node(x: Any) -> bool:
     t = type(x)
     known = _LEAF_TYPES.get(t)
     if known is None:
-        known = isinstance(x, (TrainState, DistributedValues, Variable, Stacked)) or is_nnx_node(
-            x
-        )
+        known = isinstance(x, (TrainState, DistributedValues, Variable, Stacked)) or is_nnx_node(x)
         if not is_tracer(x):
             _LEAF_TYPES[t] = known
     return known
@@ -275,9 +281,9 @@ class TrainStep:
         self.steps_per_execution = steps_per_execution
         self._stack = stack_outputs
         self._grouped = _grouped
-        # The program over a group of batches (`_call_group`): a step of its own, with its
-        # own caches, made on the first grouped call.
-        self._group_step: TrainStep | None = None
+        # The programs over a group of batches (`_call_group`), by whether they stack the
+        # outputs: steps of their own, with their own caches, made on first use.
+        self._group_steps: dict[bool, TrainStep] = {}
         self._programs: dict[Any, _StepProgram] = {}
         self._caches: dict[tuple[int, ...], StateCache] = {}
         self._last: tuple[Any, ...] | None = None
@@ -415,6 +421,25 @@ class TrainStep:
         """Takes up to ``steps_per_execution`` batches from the iterator among the
         arguments and runs them: runs of stackable batches (`runs`) in one program each,
         any other batch as a single step."""
+        outs, n_states = self._group_outputs(args, kwargs, self._stack)
+        if not self._stack:
+            return outs[-1][0]
+        return concat_outputs(outs, n_states, self._where)
+
+    def _each_step(self, *args: Any, **kwargs: Any) -> list[Any]:
+        """One grouped call's outputs, one per step (a `TrainState` output is the group's
+        last state in each); for `jaxdist.fit`, which logs every step."""
+        outs, n_states = self._group_outputs(args, kwargs, True)
+        per_step: list[Any] = []
+        for out, steps in outs:
+            per_step.extend(unstack_outputs(out, steps, n_states, self._where))
+        return per_step
+
+    def _group_outputs(
+        self, args: tuple[Any, ...], kwargs: dict[str, Any], stack: bool
+    ) -> tuple[list[tuple[Any, int]], int]:
+        """(each run's output and its number of steps (1: a single step's output), the
+        number of `TrainState` arguments)."""
         leaves, treedef = jax.tree.flatten((args, kwargs), is_leaf=_is_state_node)
         where = [i for i, x in enumerate(leaves) if isinstance(x, collections.abc.Iterator)]
         if len(where) != 1:
@@ -430,27 +455,26 @@ class TrainStep:
         if not batches:
             raise StopIteration
         state_at = [i for i, x in enumerate(leaves) if isinstance(x, TrainState)]
-        outs: list[tuple[Any, bool]] = []
+        outs: list[tuple[Any, int]] = []
         for run in runs(batches):
             grouped = len(run) > 1
             leaves[pos] = stack_batches(run) if grouped else run[0]
             a, kw = jax.tree.unflatten(treedef, leaves)
             if grouped:
-                if self._group_step is None:
-                    self._group_step = TrainStep(
-                        self._fn, self._strategy, self._donate, 1, self._stack, _grouped=True
+                twin = self._group_steps.get(stack)
+                if twin is None:
+                    twin = self._group_steps[stack] = TrainStep(
+                        self._fn, self._strategy, self._donate, 1, stack, _grouped=True
                     )
-                out = self._group_step._call_one(a, kw)
+                out = twin._call_one(a, kw)
             else:
                 out = self._call_one(a, kw)
-            outs.append((out, grouped))
+            outs.append((out, len(run)))
             if state_at:  # the next run starts from the states this one returned
                 new, _, _, _ = take_states(out, len(state_at), self._where)
                 for i, state in zip(state_at, new, strict=True):
                     leaves[i] = state
-        if not self._stack:
-            return outs[-1][0]
-        return _concat_outputs(outs, len(state_at), self._where)
+        return outs, len(state_at)
 
     def _call_one(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         strategy, _, cache, program, values, states, others = self._prepare(args, kwargs)
@@ -480,44 +504,6 @@ class TrainStep:
 
     def __repr__(self) -> str:
         return f"<jaxdist.train_step of {self._fn!r}>"
-
-
-def _concat_outputs(outs: list[tuple[Any, bool]], n_states: int, where: str) -> Any:
-    """The outputs of a group's runs as one, each array output stacked over the group's
-    steps (the states: the last run's)."""
-    parts = []
-    for out, grouped in outs:
-        _, leaves, tree, state_at = take_states(out, n_states, where)
-        if not grouped:  # a single step: a new leading axis of one
-            leaves = [
-                x if i in state_at else _stack_one(x) for i, x in enumerate(leaves)
-            ]
-        parts.append(leaves)
-    if len(parts) == 1:
-        return jax.tree.unflatten(tree, parts[0])
-    _, _, tree, state_at = take_states(outs[-1][0], n_states, where)
-    joined = [
-        parts[-1][i] if i in state_at else _join(column)
-        for i, column in enumerate(zip(*parts, strict=True))
-    ]
-    return jax.tree.unflatten(tree, joined)
-
-
-def _stack_one(x: Any) -> Any:
-    if isinstance(x, PerReplica):
-        return PerReplica(x.array[:, None])
-    if _is_array(x):
-        return x[None]
-    return x
-
-
-def _join(column: tuple[Any, ...]) -> Any:
-    first = column[0]
-    if isinstance(first, PerReplica):
-        return PerReplica(jax.numpy.concatenate([x.array for x in column], axis=1))
-    if _is_array(first):
-        return jax.numpy.concatenate(column, axis=0)
-    return column[-1]
 
 
 def _is_array(x: Any) -> bool:

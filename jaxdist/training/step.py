@@ -102,11 +102,22 @@ class _Layout:
 
     __slots__ = ("_others", "_states", "kinds", "objects", "treedef")
 
-    def __init__(self, leaves: list[Any], treedef: Any) -> None:
+    def __init__(self, leaves: list[Any], treedef: Any, donated: set[int] | None = None) -> None:
+        """``donated``: with ``donate_argnums``, the positions of the leaves of the donated
+        arguments; these (but NNX objects and distributed values) are the state leaves,
+        donated; without, the `TrainState`s are."""
         self.treedef = treedef
         self.kinds = tuple(
-            _STATE if isinstance(x, TrainState) else _NNX if is_nnx_node(x) else _OTHER
-            for x in leaves
+            _NNX
+            if is_nnx_node(x)
+            else _STATE
+            if (
+                isinstance(x, TrainState)
+                if donated is None
+                else i in donated and not isinstance(x, DistributedValues)
+            )
+            else _OTHER
+            for i, x in enumerate(leaves)
         )
         # Each a function of the leaves: the NNX objects, the `TrainState`s, the others.
         self.objects, self._states, self._others = (
@@ -157,6 +168,7 @@ class _StepProgram:
         where: str,
         grouped: bool = False,
         stack: bool = False,
+        donate_states: bool = False,
     ) -> None:
         self.strategy = strategy
         self.has_refs = [False]
@@ -250,7 +262,8 @@ class _StepProgram:
             return replicated(step_fn, strategy, (nnx_values, states, others), {}, plain=True)
 
         program.__name__ = f"jaxdist_train_step_{getattr(fn, '__name__', 'fn')}"
-        jitted = self.jitted = jax.jit(program, donate_argnums=(0, 1) if donate else ())
+        donated = ((0,) if donate else ()) + ((1,) if donate or donate_states else ())
+        jitted = self.jitted = jax.jit(program, donate_argnums=donated)
 
         def call(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
             """The jitted step on ``(values, states, others)``."""
@@ -271,6 +284,7 @@ class TrainStep:
         steps_per_execution: int = 1,
         stack_outputs: bool = False,
         *,
+        donate_argnums: tuple[int, ...] | None = None,
         _grouped: bool = False,
     ) -> None:
         if not callable(fn):
@@ -281,6 +295,8 @@ class TrainStep:
         self.steps_per_execution = steps_per_execution
         self._stack = stack_outputs
         self._grouped = _grouped
+        self._donate_argnums = donate_argnums
+        self._checks = donate or donate_argnums is not None  # donated buffers to refuse
         # The programs over a group of batches (`_call_group`), by whether they stack the
         # outputs: steps of their own, with their own caches, made on first use.
         self._group_steps: dict[bool, TrainStep] = {}
@@ -303,10 +319,29 @@ class TrainStep:
             if cache is None or cache.unchanged(objects):
                 states, others = layout.split(leaves)
                 values = cache.read() if cache is not None else []
-                if self._donate:
+                if self._checks:
                     self._check_donated(states, cache, values, args, kwargs)
                 return strategy, layout, cache, program, values, states, others
         return self._slow_prepare(strategy, leaves, treedef, args, kwargs)
+
+    def _donated_leaves(self, args: tuple[Any, ...]) -> set[int] | None:
+        """The leaf positions of the arguments named by ``donate_argnums`` (None without)."""
+        nums = self._donate_argnums
+        if nums is None:
+            return None
+        if nums and nums[-1] >= len(args):
+            raise ValueError(
+                f"{self._where}: donate_argnums={nums} names argument {nums[-1]}, but the "
+                f"step was called with {len(args)} positional argument(s) (after ctx)."
+            )
+        out: set[int] = set()
+        start = 0
+        for i, arg in enumerate(args):
+            n = len(jax.tree.leaves(arg, is_leaf=_is_state_node))
+            if i in nums:
+                out.update(range(start, start + n))
+            start += n
+        return out
 
     def _check_donated(
         self,
@@ -374,7 +409,7 @@ class TrainStep:
                 f"{self._where}: strategy must be a jaxdist.Strategy, got "
                 f"{type(strategy).__name__}."
             )
-        layout = _Layout(leaves, treedef)
+        layout = _Layout(leaves, treedef, self._donated_leaves(args))
         objects = tuple(layout.objects(leaves))
         if len({id(o) for o in objects}) != len(objects):
             raise ValueError(
@@ -389,7 +424,7 @@ class TrainStep:
                 cache = StateCache(objects, self._where)
                 self._caches = {ids: cache}  # one structure kept: the one in use
         states, others = layout.split(leaves)
-        if self._donate:  # before placing: a donated buffer must not reach the program
+        if self._checks:  # before placing: a donated buffer must not reach the program
             self._check_donated(states, cache, [] if cache is None else cache.read(), args, kwargs)
         if cache is not None:
             _place(strategy, cache)
@@ -405,6 +440,7 @@ class TrainStep:
                 self._where,
                 grouped=self._grouped,
                 stack=self._stack,
+                donate_states=self._donate_argnums is not None,
             )
             self._programs[key] = program
         self._last = (strategy, treedef, layout, cache, program)
@@ -465,7 +501,7 @@ class TrainStep:
                 if twin is None:
                     twin = self._group_steps[stack] = TrainStep(
                         self._fn, self._strategy, self._donate, 1, stack, _grouped=True
-                    )
+                    )  # (donate_argnums is refused with steps_per_execution)
                 out = twin._call_one(a, kw)
             else:
                 out = self._call_one(a, kw)
@@ -510,10 +546,13 @@ def _is_array(x: Any) -> bool:
     return isinstance(x, (jax.Array, np.ndarray, np.generic))
 
 
-def _probe(state: TrainState) -> Any:
-    """The array of ``state`` whose ``is_deleted()`` tells whether it was donated: its step
-    counter (no tree walk), else its first concrete array leaf; ``None`` when traced."""
-    step = state.step
+def _probe(state: Any) -> Any:
+    """The array of ``state`` (a `TrainState`, or an array of an argument named by
+    ``donate_argnums``) whose ``is_deleted()`` tells whether it was donated: its step counter
+    (no tree walk), else its first concrete array leaf; ``None`` when traced."""
+    if type(state) is _ARRAY:
+        return state
+    step = getattr(state, "step", None)
     if type(step) is _ARRAY:
         return step
     return next((x for x in jax.tree.leaves(state) if type(x) is _ARRAY), None)
@@ -581,6 +620,7 @@ def train_step(
     donate: bool = True,
     steps_per_execution: int = 1,
     stack_outputs: bool = False,
+    donate_argnums: int | tuple[int, ...] | None = None,
 ) -> Any:
     """Decorator: a compiled data-parallel train step over ``fn(ctx, *args, **kwargs)``.
 
@@ -599,6 +639,12 @@ def train_step(
             single steps. A step over `TrainState` arguments must return each
             one's new value (``return state, loss``). A padded last batch, or one
             shaped unlike the group's first, runs as a single step.
+        donate_argnums: donate exactly these positional arguments (after ``ctx``;
+            an int or a tuple) among the functional ones, as
+            ``jax.jit(donate_argnums=...)``: a `TrainState`, or a plain pytree of
+            parameters and optimizer state fed back each step; other `TrainState`
+            arguments are then kept. NNX objects stay donated per ``donate``; a
+            distributed batch is never donated. Not with ``steps_per_execution``.
         stack_outputs: with ``steps_per_execution``, return every step's outputs
             stacked on a new leading axis (axis 1 of a `PerReplica`, after the
             replica axis; `TrainState` outputs are the last step's) instead of the
@@ -648,11 +694,30 @@ def train_step(
         )
     if not isinstance(stack_outputs, bool):
         raise TypeError(f"jaxdist.train_step: stack_outputs must be a bool, got {stack_outputs!r}.")
+    nums: tuple[int, ...] | None = None
+    if donate_argnums is not None:
+        given = donate_argnums
+        given = (given,) if isinstance(given, int) and not isinstance(given, bool) else given
+        if not isinstance(given, (tuple, list)) or any(
+            isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in given
+        ):
+            raise TypeError(
+                "jaxdist.train_step: donate_argnums must be an int >= 0 or a tuple of them "
+                f"(positions of the arguments after ctx), got {donate_argnums!r}."
+            )
+        nums = tuple(sorted(set(given)))
+        if steps_per_execution > 1:
+            raise ValueError(
+                "jaxdist.train_step: donate_argnums cannot be combined with "
+                "steps_per_execution > 1 (a group carries TrainState arguments and donates "
+                "them per `donate`)."
+            )
     make = functools.partial(
         TrainStep,
         strategy=strategy,
         donate=donate,
         steps_per_execution=steps_per_execution,
         stack_outputs=stack_outputs,
+        donate_argnums=nums,
     )
     return make if fn is None else make(fn)

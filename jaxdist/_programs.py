@@ -23,7 +23,7 @@ import types
 import warnings
 import weakref
 from collections.abc import Callable, Hashable
-from typing import Any
+from typing import Any, cast
 
 import jax
 
@@ -72,7 +72,7 @@ class Program:
             self.jitted = jax.jit(_with_counts(program), donate_argnums=(0, 1), **jit_kwargs)
             self.call = _donating(self.jitted, where)
         elif opts.donate_argnums:
-            nums = opts.donate_argnums
+            nums = cast(tuple[int, ...], opts.donate_argnums)  # a tuple: RunOptions made it
             self.jitted = jax.jit(_some_donated(program, nums), donate_argnums=0, **jit_kwargs)
             self.call = _donating_some(self.jitted, nums, where)
         else:

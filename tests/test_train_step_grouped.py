@@ -348,7 +348,7 @@ def test_fit_steps_per_execution_logs_every_step_like_single_steps(make_strategy
     assert history.step == 12 and int(opt.step.get_value()) == 12
     np.testing.assert_allclose(seen.losses, seen1.losses, **SAME)
     np.testing.assert_allclose(history.history["loss"], history1.history["loss"], **SAME)
-    ref, ref_model = _reference(*_data())
+    ref, _ = _reference(*_data())
     np.testing.assert_allclose(seen.losses[:6], ref, **REF)
     for a, b in zip(_params(model), _params(model1), strict=True):
         np.testing.assert_allclose(a, b, **SAME)

@@ -37,7 +37,7 @@ class Lookahead:
     """An iterator over the training data that can be read ahead of the loop (private)."""
 
     def __init__(self, it: Iterator[Any]) -> None:
-        self._it = it
+        self._it: Any = it
         self._ahead: collections.deque[tuple[Any, Any]] = collections.deque()
 
     def __iter__(self) -> Lookahead:

@@ -163,7 +163,7 @@ def scan_steps(
         b = jax.tree.unflatten(batch_tree, list(xs[n_carry:]))
         new, outs = one(c, b)
         new_leaves, new_tree = jax.tree.flatten(new)
-        if new_tree != carry_tree:
+        if new_tree != carry_tree:  # type: ignore[operator]
             raise ValueError(f"the state's structure changed in the step: {new_tree}")
         return [*new_leaves, *outs]
 
@@ -229,7 +229,7 @@ def _with_step_axis(x: Any) -> Any:
     if isinstance(x, PerReplica):
         return PerReplica(x.array[:, None])
     if isinstance(x, (jax.Array, np.ndarray, np.generic)):
-        return x[None]
+        return jnp.asarray(x)[None]
     return x
 
 

@@ -11,7 +11,10 @@ placed batch. Sides:
   batch sharded with ``NamedSharding`` (the partitioner inserts the collectives),
 - ``train_step nnx``: ``@jd.train_step`` over an ``nnx.Module`` and ``nnx.Optimizer``,
 - ``train_step linen``: ``@jd.train_step`` over a Linen model in a ``jd.TrainState``,
-- ``strategy.function``: a functional ``(params, opt_state)`` step through ``strategy.function``.
+- ``strategy.function``: a functional ``(params, opt_state)`` step through
+  ``strategy.function`` (``donate_argnums=(0, 1)``: the state donated, the batch kept),
+- ``train_step k=8``: the NNX ``train_step`` with ``steps_per_execution=8`` (8 steps per
+  call over the same placed batch; its time is per step: per call / 8).
 
 Targets (issue 9): ``train_step`` throughput ratio >= 0.97 vs ``shard_map``.
 
@@ -145,6 +148,23 @@ def candidates(strategy: jd.Strategy, sizes: tuple[int, ...], batch: int) -> dic
     def run_nnx():
         nnx_step(model, opt, xs, ys).block_until_ready()
 
+    # 3b. the same step, GROUP steps per call (steps_per_execution) over the same batch.
+    with strategy.scope():
+        gmodel = MLP(sizes, nnx.Rngs(0))
+        gopt = nnx.Optimizer(gmodel, tx, wrt=nnx.Param)
+
+    @jd.train_step(strategy, steps_per_execution=GROUP)
+    def group_step(ctx, model, opt, batch):
+        x, y = batch
+        loss, grads = nnx.value_and_grad(lambda m: jnp.mean(_ce(m(x), y)))(model)
+        opt.update(model, ctx.all_reduce("mean", grads))
+        return ctx.all_reduce("mean", loss)
+
+    batches = itertools.repeat((xs, ys))
+
+    def run_group():
+        group_step(gmodel, gopt, batches).block_until_ready()
+
     # 4. jd.train_step over a Linen model in a TrainState.
     module = LinenMLP(sizes)
     lparams = module.init(jax.random.key(0), jnp.ones((1, sizes[0])))["params"]
@@ -169,7 +189,8 @@ def candidates(strategy: jd.Strategy, sizes: tuple[int, ...], batch: int) -> dic
         updates, opt_state = tx.update(ctx.all_reduce("mean", g), opt_state, params)
         return optax.apply_updates(params, updates), opt_state, ctx.all_reduce("mean", loss)
 
-    function = strategy.function(fn_step, options=jd.RunOptions(donate_args=True))
+    # Parameters and optimizer state donated, the batch kept (it is reused every step).
+    function = strategy.function(fn_step, donate_argnums=(0, 1))
     fstate = list(own((params0, tx.init(params0))))
 
     def run_function():
@@ -181,14 +202,25 @@ def candidates(strategy: jd.Strategy, sizes: tuple[int, ...], batch: int) -> dic
         "shard_map": run_hand,
         "nnx.jit": run_flax,
         "train_step nnx": run_nnx,
+        f"train_step k={GROUP}": run_group,
         "train_step linen": run_linen,
         "strategy.function": run_function,
     }
 
 
+GROUP = 8  # steps per call of the steps_per_execution candidate
+
+
+def per_step(samples: dict[str, list[float]]) -> dict[str, list[float]]:
+    """Seconds per step: a grouped candidate's seconds per call divided by its steps."""
+    key = f"train_step k={GROUP}"
+    return {k: [t / GROUP for t in v] if k == key else v for k, v in samples.items()}
+
+
 def main() -> None:
     strategy = jd.MirroredStrategy()
-    times = _harness.compare(candidates(strategy, SIZES, BATCH), calls=20)
+    samples = per_step(_harness.sample(candidates(strategy, SIZES, BATCH), calls=20))
+    times = {k: statistics.median(v) for k, v in samples.items()}
     base = times["shard_map"]
     print(_harness.describe_machine())
     print(
@@ -244,12 +276,13 @@ def overhead(case: str) -> None:
         "jax.jit (hand)": cands["shard_map"],
         "nnx.jit": cands["nnx.jit"],
         "train_step nnx": cands["train_step nnx"],
+        f"train_step k={GROUP}": cands[f"train_step k={GROUP}"],
         "train_step linen": cands["train_step linen"],
         "strategy.function": cands["strategy.function"],
     }
     if replicas == 1:
         cands["split/merge+jit"] = run_split
-    samples = _harness.sample(cands, calls=calls, rounds=rounds)
+    samples = per_step(_harness.sample(cands, calls=calls, rounds=rounds))
     ratios = _harness.paired_ratios(samples, "jax.jit (hand)")
     print(_harness.describe_machine())
     print(

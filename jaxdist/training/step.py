@@ -26,15 +26,18 @@ does), and:
 
 The NNX graph is walked once per structure, not per call (see
 `jaxdist.training._nnx`): later calls read and write the variables directly.
+
+``steps_per_execution=k`` runs k steps per call over the next k batches of an
+iterator, in one ``lax.scan`` (see `jaxdist.training._grouped`);
+``donate_argnums`` donates exactly the named functional arguments (a plain
+pytree of parameters and optimizer state, say) instead of every `TrainState`.
 """
 
 from __future__ import annotations
 
 import collections.abc
 import functools
-import inspect
 import itertools
-import operator
 from collections.abc import Callable
 from typing import Any
 
@@ -42,7 +45,7 @@ import jax
 import numpy as np
 
 from jaxdist._compile import Synced, replicated
-from jaxdist._jax_compat import concrete_array_type, is_tracer
+from jaxdist._jax_compat import concrete_array_type
 from jaxdist._programs import LoweredStep
 from jaxdist._scope import get_strategy
 from jaxdist.context import ReplicaContext
@@ -56,36 +59,19 @@ from jaxdist.training._grouped import (
     take_states,
     unstack_outputs,
 )
-from jaxdist.training._nnx import StateCache, is_nnx_node
+from jaxdist.training._nnx import StateCache
 from jaxdist.training._place import placed_copy
+from jaxdist.training._step_args import (
+    Layout,
+    argument_label,
+    is_state_node,
+    probe,
+)
 from jaxdist.training.state import TrainState
-from jaxdist.values import DistributedValues
-from jaxdist.variables import Variable
 
 __all__ = ["TrainStep", "train_step"]
 
-_NNX, _STATE, _OTHER = range(3)
 _ARRAY: Any = concrete_array_type()
-
-
-_LEAF_TYPES: dict[type, bool] = {}
-
-
-def _is_state_node(x: Any) -> bool:
-    """Leaves of a step's argument tree: state objects, and distributed values and variables
-    (left whole for `jaxdist._compile.replicated` to map over the replicas).
-
-    Decided once per type (flax's ``isinstance`` checks run Python metaclass code, and
-    this is called on every node of every call's arguments), except for tracers, whose
-    answer depends on their abstract value.
-    """
-    t = type(x)
-    known = _LEAF_TYPES.get(t)
-    if known is None:
-        known = isinstance(x, (TrainState, DistributedValues, Variable, Stacked)) or is_nnx_node(x)
-        if not is_tracer(x):
-            _LEAF_TYPES[t] = known
-    return known
 
 
 class _ObjectRef:
@@ -97,62 +83,6 @@ class _ObjectRef:
         self.index = index
 
 
-class _Layout:
-    """Where the NNX objects and `TrainState`s sit among one call's arguments."""
-
-    __slots__ = ("_others", "_states", "kinds", "objects", "treedef")
-
-    def __init__(self, leaves: list[Any], treedef: Any, donated: set[int] | None = None) -> None:
-        """``donated``: with ``donate_argnums``, the positions of the leaves of the donated
-        arguments; these (but NNX objects and distributed values) are the state leaves,
-        donated; without, the `TrainState`s are."""
-        self.treedef = treedef
-        self.kinds = tuple(
-            _NNX
-            if is_nnx_node(x)
-            else _STATE
-            if (
-                isinstance(x, TrainState)
-                if donated is None
-                else i in donated and not isinstance(x, DistributedValues)
-            )
-            else _OTHER
-            for i, x in enumerate(leaves)
-        )
-        # Each a function of the leaves: the NNX objects, the `TrainState`s, the others.
-        self.objects, self._states, self._others = (
-            _picker(self.kinds, kind) for kind in (_NNX, _STATE, _OTHER)
-        )
-
-    def key(self) -> tuple[Any, ...]:
-        return (self.treedef, self.kinds)
-
-    def split(self, leaves: list[Any]) -> tuple[list[Any], list[Any]]:
-        """(the `TrainState` leaves, the other leaves), in order."""
-        return self._states(leaves), self._others(leaves)
-
-    def join(self, objects: tuple[Any, ...], states: list[Any], others: list[Any]) -> list[Any]:
-        it_obj, it_state, it_other = iter(objects), iter(states), iter(others)
-        out = []
-        for k in self.kinds:
-            out.append(
-                next(it_obj) if k == _NNX else next(it_state) if k == _STATE else next(it_other)
-            )
-        return out
-
-
-def _picker(kinds: tuple[int, ...], kind: int) -> Callable[[list[Any]], list[Any]]:
-    """A function returning the leaves of ``kind``, as a list (per call: no Python loop)."""
-    positions = [i for i, k in enumerate(kinds) if k == kind]
-    if not positions:
-        return lambda leaves: []
-    if len(positions) == 1:
-        (i,) = positions
-        return lambda leaves: [leaves[i]]
-    get = operator.itemgetter(*positions)
-    return lambda leaves: list(get(leaves))
-
-
 class _StepProgram:
     """The jitted step for one strategy, argument layout and NNX structure."""
 
@@ -162,7 +92,7 @@ class _StepProgram:
         self,
         fn: Callable[..., Any],
         strategy: Strategy,
-        layout: _Layout,
+        layout: Layout,
         cache: StateCache | None,
         donate: bool,
         where: str,
@@ -311,7 +241,7 @@ class TrainStep:
 
     def _prepare(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
         strategy = self._strategy if self._strategy is not None else get_strategy()
-        leaves, treedef = jax.tree.flatten((args, kwargs), is_leaf=_is_state_node)
+        leaves, treedef = jax.tree.flatten((args, kwargs), is_leaf=is_state_node)
         last = self._last
         if last is not None and last[0] is strategy and last[1] == treedef:
             _, _, layout, cache, program = last
@@ -337,7 +267,7 @@ class TrainStep:
         out: set[int] = set()
         start = 0
         for i, arg in enumerate(args):
-            n = len(jax.tree.leaves(arg, is_leaf=_is_state_node))
+            n = len(jax.tree.leaves(arg, is_leaf=is_state_node))
             if i in nums:
                 out.update(range(start, start + n))
             start += n
@@ -355,8 +285,8 @@ class TrainStep:
         ``is_deleted()`` per `TrainState` and per NNX object. (Given a deleted buffer,
         jax 0.10's multi-device CPU programs end the process instead of raising.)"""
         for state in states:
-            probe = _probe(state)
-            if probe is not None and probe.is_deleted():
+            array = probe(state)
+            if array is not None and array.is_deleted():
                 raise self._donated_error(
                     state,
                     "Its arrays were donated to an earlier call of this step, which reused "
@@ -387,7 +317,7 @@ class TrainStep:
     def _donated_error(
         self, obj: Any, detail: str, fix: str, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> RuntimeError:
-        name, where = _argument_label(self._fn, obj, args, kwargs)
+        name, where = argument_label(self._fn, obj, args, kwargs)
         kind = type(obj).__name__
         label = f"`{name}` ({where}, {kind})" if name else f"{where} ({kind})"
         return RuntimeError(
@@ -409,7 +339,7 @@ class TrainStep:
                 f"{self._where}: strategy must be a jaxdist.Strategy, got "
                 f"{type(strategy).__name__}."
             )
-        layout = _Layout(leaves, treedef, self._donated_leaves(args))
+        layout = Layout(leaves, treedef, self._donated_leaves(args))
         objects = tuple(layout.objects(leaves))
         if len({id(o) for o in objects}) != len(objects):
             raise ValueError(
@@ -476,7 +406,7 @@ class TrainStep:
     ) -> tuple[list[tuple[Any, int]], int]:
         """(each run's output and its number of steps (1: a single step's output), the
         number of `TrainState` arguments)."""
-        leaves, treedef = jax.tree.flatten((args, kwargs), is_leaf=_is_state_node)
+        leaves, treedef = jax.tree.flatten((args, kwargs), is_leaf=is_state_node)
         where = [i for i, x in enumerate(leaves) if isinstance(x, collections.abc.Iterator)]
         if len(where) != 1:
             raise TypeError(
@@ -544,50 +474,6 @@ class TrainStep:
 
 def _is_array(x: Any) -> bool:
     return isinstance(x, (jax.Array, np.ndarray, np.generic))
-
-
-def _probe(state: Any) -> Any:
-    """The array of ``state`` (a `TrainState`, or an array of an argument named by
-    ``donate_argnums``) whose ``is_deleted()`` tells whether it was donated: its step counter
-    (no tree walk), else its first concrete array leaf; ``None`` when traced."""
-    if type(state) is _ARRAY:
-        return state
-    step = getattr(state, "step", None)
-    if type(step) is _ARRAY:
-        return step
-    return next((x for x in jax.tree.leaves(state) if type(x) is _ARRAY), None)
-
-
-def _argument_label(
-    fn: Callable[..., Any], obj: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
-) -> tuple[str | None, str]:
-    """Where ``obj`` sits among a step's arguments: (the parameter's name when the signature
-    gives it, the path: ``args[0]``, ``kwargs['opt']``, or a path into either)."""
-    flat, _ = jax.tree_util.tree_flatten_with_path((args, kwargs), is_leaf=_is_state_node)
-    path = next((p for p, leaf in flat if leaf is obj), None)
-    if path is None or len(path) < 2:
-        return None, "?"
-    rest = jax.tree_util.keystr(tuple(path[2:]))
-    if getattr(path[0], "idx", None) == 1:  # a keyword argument
-        name = str(getattr(path[1], "key", "?"))
-        return name, f"kwargs[{name!r}]{rest}"
-    index = getattr(path[1], "idx", 0)
-    return _positional_name(fn, index), f"args[{index}]{rest}"
-
-
-def _positional_name(fn: Callable[..., Any], index: int) -> str | None:
-    """The name of the parameter of ``fn(ctx, *args)`` that ``args[index]`` binds, if any."""
-    try:
-        params = list(inspect.signature(fn).parameters.values())[1:]  # after ctx
-    except (TypeError, ValueError):
-        return None
-    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
-    for i, param in enumerate(params):
-        if param.kind not in positional:
-            return None
-        if i == index:
-            return param.name
-    return None
 
 
 def _place(strategy: Strategy, cache: StateCache) -> None:

@@ -151,15 +151,33 @@ def _donating(jitted: Callable[..., Any], where: str) -> Callable[[Any, Any], An
     return call
 
 
+_HOLDS_PER_REPLICA: dict[Any, bool] = {}  # by tree structure of the donated arguments
+
+
 def _split_donated(
     args: tuple[Any, ...], kwargs: Any, nums: tuple[int, ...]
 ) -> tuple[Any, Any, Any, list[Any]]:
     """(the donated arguments without their valid counts, the others, kwargs, the
-    counts): the jitted arguments of a program donating ``nums``."""
+    counts): the jitted arguments of a program donating ``nums``. Donated arguments
+    without `PerReplica` values (parameters, optimizer state: the usual case) are not
+    walked in Python; whether they hold any is decided once per tree structure."""
     donated = tuple(args[i] for i in nums)
     kept = tuple(x for i, x in enumerate(args) if i not in nums)
+    treedef = jax.tree.structure(donated)
+    holds = _HOLDS_PER_REPLICA.get(treedef)
+    if holds is None:
+        leaves = jax.tree.leaves(donated, is_leaf=_is_per_replica)
+        holds = _HOLDS_PER_REPLICA[treedef] = any(type(x) is PerReplica for x in leaves)
+    if not holds:
+        return donated, kept, kwargs, []
     donated, _, counts, _ = _counts_apart(donated, {})
     return donated, kept, kwargs, counts
+
+
+def _any_deleted(tree: Any) -> bool:
+    """Whether an array of ``tree`` was deleted (donated); one C-level pass over them."""
+    arrays = [x for x in jax.tree.leaves(tree) if type(x) is _ARRAY]
+    return any(map(_ARRAY.is_deleted, arrays))
 
 
 def _some_donated(
@@ -194,7 +212,7 @@ def _donating_some(
         split = _split_donated(args, kwargs, nums)
         # A buffer donated by an earlier call and passed again crashes XLA's CPU runtime
         # (segmentation fault with jax 0.10): refuse it first.
-        if any(type(x) is _ARRAY and x.is_deleted() for x in jax.tree.leaves(split)):
+        if _any_deleted(split):
             raise _donated_error(where, args, kwargs, "RunOptions(donate_argnums=...)")
         return jitted(*split)
 

@@ -110,7 +110,9 @@ def _params(model) -> list[np.ndarray]:
     return [np.asarray(v) for v in jax.tree.leaves(nnx.state(model, nnx.Param))]
 
 
-@pytest.mark.parametrize("make_strategy", strategy_params("one_device", "mirrored2", "mirrored8"))
+@pytest.mark.parametrize(
+    "make_strategy", strategy_params("one_device", "mirrored2", "mirrored8", "central8")
+)
 def test_grouped_steps_equal_single_steps_and_plain_jax(make_strategy) -> None:
     strategy = make_strategy()
     model, opt = _make_nnx(strategy)

@@ -23,7 +23,18 @@ quartiles: on a shared 2-core machine single rounds vary by +-20%). Targets: lis
 tuple >= 0.95, generator >= 0.85. Then an MLP step fed by the dataset vs the same step
 on one batch already on the devices: prefetch should hide the input cost.
 
-Usage: ``python benchmarks/input_pipeline.py [rounds] [passes per round]``.
+``--groups [k]`` measures the input side of ``steps_per_execution=k`` (default 8):
+groups of k global batches placed as one ``(replicas, k, b, ...)`` array per leaf, by
+
+- the hand-written loop: k host batches stacked (one host copy) and one ``device_put``
+  per leaf and group;
+- jaxdist's grouped train step: k batches from the distributed dataset (each placed,
+  prefetched) and one stacking program per group on the devices (what
+  ``jd.train_step(..., steps_per_execution=k)`` does with them);
+- for reference, the k batches from the distributed dataset without the stacking.
+
+Usage: ``python benchmarks/input_pipeline.py [rounds] [passes per round]`` or
+``python benchmarks/input_pipeline.py --groups [k]``.
 """
 
 from __future__ import annotations
@@ -199,7 +210,75 @@ def main(rounds: int, passes: int) -> None:
         print(f"  {name:30s} {1e3 / rate:7.2f} ms/step   time ratio {1 / med:.3f}")
 
 
+def groups(k: int, rounds: int = 15) -> None:
+    """Groups of ``k`` batches for ``steps_per_execution=k``: placed as one array per leaf."""
+    from jaxdist.training._grouped import runs, stack_batches  # the train step's own path
+
+    strategy = jd.MirroredStrategy()
+    n = strategy.num_replicas_in_sync
+    rows = ROWS // 4
+    x = np.random.default_rng(0).normal(size=(rows, FEATURES)).astype(np.float32)
+    y = np.random.default_rng(1).integers(0, 10, size=(rows,)).astype(np.int32)
+    sharding = NamedSharding(strategy.mesh, P(strategy.axis_name))
+    count = rows // BATCH // k  # whole groups per epoch
+
+    def hand() -> int:
+        last = None
+        for g in range(count):
+            lo, hi = g * k * BATCH, (g + 1) * k * BATCH
+            # (k, n, b, ...) -> (n, k, b, ...): replica r's rows of each of the k batches.
+            gx = x[lo:hi].reshape(k, n, BATCH // n, FEATURES).swapaxes(0, 1)
+            gy = y[lo:hi].reshape(k, n, BATCH // n).swapaxes(0, 1)
+            last = (
+                jax.device_put(np.ascontiguousarray(gx), sharding),
+                jax.device_put(np.ascontiguousarray(gy), sharding),
+            )
+        jax.block_until_ready(last)
+        return count * k
+
+    dataset = strategy.experimental_distribute_dataset(
+        jd.data.from_arrays(x, y, batch_size=BATCH, drop_remainder=True)
+    )
+
+    def grouped(stack: bool) -> Callable[[], int]:
+        def loop() -> int:
+            it, last = iter(dataset), None
+            for _ in range(count):
+                batches = [next(it) for _ in range(k)]
+                if stack:
+                    (run,) = runs(batches)
+                    last = stack_batches(run).tree
+                else:
+                    last = batches[-1]
+            jax.block_until_ready(last)
+            return count * k
+
+        return loop
+
+    loops = {
+        "hand: host stack, one device_put a group": hand,
+        "jd: k placed batches + one stacking program": grouped(True),
+        "jd: k placed batches, not stacked": grouped(False),
+    }
+    base = "hand: host stack, one device_put a group"
+    samples = _harness.sample(loops, calls=1, rounds=rounds, warmup=1)
+    batch_s = {name: [count * k / t for t in v] for name, v in samples.items()}
+    print(_harness.describe_machine())
+    print(f"groups of {k} global batches of {BATCH} x {FEATURES} float32, {n} replicas")
+    for name, rates in batch_s.items():
+        ratios = [r / b for r, b in zip(rates, batch_s[base], strict=True)]
+        q1, _, q3 = statistics.quantiles(ratios, n=4)
+        print(
+            f"{name:46s} {statistics.median(rates):8.0f} batches/s   ratio "
+            f"{statistics.median(ratios):.3f} (quartiles {q1:.3f}-{q3:.3f})"
+        )
+
+
 if __name__ == "__main__":
     _harness.setup_devices(8)
-    args = [int(a) for a in sys.argv[1:]]
-    main(*(args + [41, 1][len(args) :]))
+    if "--groups" in sys.argv:
+        rest = [int(a) for a in sys.argv[1:] if a.isdigit()]
+        groups(*(rest[:1] or [8]))
+    else:
+        args = [int(a) for a in sys.argv[1:]]
+        main(*(args + [41, 1][len(args) :]))

@@ -11,15 +11,19 @@ placed batch. Sides:
   batch sharded with ``NamedSharding`` (the partitioner inserts the collectives),
 - ``train_step nnx``: ``@jd.train_step`` over an ``nnx.Module`` and ``nnx.Optimizer``,
 - ``train_step linen``: ``@jd.train_step`` over a Linen model in a ``jd.TrainState``,
-- ``strategy.function``: a functional ``(params, opt_state)`` step through ``strategy.function``.
+- ``strategy.function``: a functional ``(params, opt_state)`` step through
+  ``strategy.function`` (``donate_argnums=(0, 1)``: the state donated, the batch kept),
+- ``train_step k=8``: the NNX ``train_step`` with ``steps_per_execution=8`` (8 steps per
+  call over the same placed batch; its time is per step: per call / 8).
 
 Targets (issue 9): ``train_step`` throughput ratio >= 0.97 vs ``shard_map``.
 
-``--overhead`` instead measures the per-call cost on one device with a tiny
-model (where Python work dominates): hand-written ``jax.jit`` with donation,
-``nnx.split``/``merge`` around ``jax.jit``, ``nnx.jit``, and ``jd.train_step``.
+``--overhead [case ...]`` instead measures the per-call cost with models of
+little compute (where Python work dominates; cases in ``OVERHEAD_CASES``, all by
+default): hand-written ``jax.jit`` with donation, ``nnx.split``/``merge`` around
+``jax.jit``, ``nnx.jit``, ``jd.train_step`` and ``strategy.function``.
 
-Usage: python benchmarks/train_step.py [--overhead]
+Usage: python benchmarks/train_step.py [--overhead [mlp32] [deep48] [deep48x8]]
 """
 
 from __future__ import annotations
@@ -144,6 +148,23 @@ def candidates(strategy: jd.Strategy, sizes: tuple[int, ...], batch: int) -> dic
     def run_nnx():
         nnx_step(model, opt, xs, ys).block_until_ready()
 
+    # 3b. the same step, GROUP steps per call (steps_per_execution) over the same batch.
+    with strategy.scope():
+        gmodel = MLP(sizes, nnx.Rngs(0))
+        gopt = nnx.Optimizer(gmodel, tx, wrt=nnx.Param)
+
+    @jd.train_step(strategy, steps_per_execution=GROUP)
+    def group_step(ctx, model, opt, batch):
+        x, y = batch
+        loss, grads = nnx.value_and_grad(lambda m: jnp.mean(_ce(m(x), y)))(model)
+        opt.update(model, ctx.all_reduce("mean", grads))
+        return ctx.all_reduce("mean", loss)
+
+    batches = itertools.repeat((xs, ys))
+
+    def run_group():
+        group_step(gmodel, gopt, batches).block_until_ready()
+
     # 4. jd.train_step over a Linen model in a TrainState.
     module = LinenMLP(sizes)
     lparams = module.init(jax.random.key(0), jnp.ones((1, sizes[0])))["params"]
@@ -168,7 +189,8 @@ def candidates(strategy: jd.Strategy, sizes: tuple[int, ...], batch: int) -> dic
         updates, opt_state = tx.update(ctx.all_reduce("mean", g), opt_state, params)
         return optax.apply_updates(params, updates), opt_state, ctx.all_reduce("mean", loss)
 
-    function = strategy.function(fn_step, options=jd.RunOptions(donate_args=True))
+    # Parameters and optimizer state donated, the batch kept (it is reused every step).
+    function = strategy.function(fn_step, donate_argnums=(0, 1))
     fstate = list(own((params0, tx.init(params0))))
 
     def run_function():
@@ -180,14 +202,25 @@ def candidates(strategy: jd.Strategy, sizes: tuple[int, ...], batch: int) -> dic
         "shard_map": run_hand,
         "nnx.jit": run_flax,
         "train_step nnx": run_nnx,
+        f"train_step k={GROUP}": run_group,
         "train_step linen": run_linen,
         "strategy.function": run_function,
     }
 
 
+GROUP = 8  # steps per call of the steps_per_execution candidate
+
+
+def per_step(samples: dict[str, list[float]]) -> dict[str, list[float]]:
+    """Seconds per step: a grouped candidate's seconds per call divided by its steps."""
+    key = f"train_step k={GROUP}"
+    return {k: [t / GROUP for t in v] if k == key else v for k, v in samples.items()}
+
+
 def main() -> None:
     strategy = jd.MirroredStrategy()
-    times = _harness.compare(candidates(strategy, SIZES, BATCH), calls=20)
+    samples = per_step(_harness.sample(candidates(strategy, SIZES, BATCH), calls=20))
+    times = {k: statistics.median(v) for k, v in samples.items()}
     base = times["shard_map"]
     print(_harness.describe_machine())
     print(
@@ -198,14 +231,32 @@ def main() -> None:
         print(f"{name:18s} {1 / t:8.2f} steps/s   throughput ratio vs shard_map {base / t:.3f}")
 
 
-def overhead() -> None:
-    """Per-call cost on one device with a tiny model: Python work dominates."""
-    sizes, batch = (32, 32, 10), 64
-    strategy = jd.OneDeviceStrategy()
+OVERHEAD_CASES = {
+    # name: (layer sizes, batch, replicas, calls per round, rounds)
+    "mlp32": ((32, 32, 10), 64, 1, 300, 21),
+    "deep48": ((8,) * 49, 64, 1, 100, 15),  # 48 Linear(8, 8): 290 state leaves
+    "deep48x8": ((8,) * 49, 64, 8, 50, 11),
+}
+
+
+def _shape(sizes: tuple[int, ...]) -> str:
+    if len(set(sizes)) == 1:
+        return f"{len(sizes) - 1} x Linear({sizes[0]}, {sizes[0]})"
+    return "-".join(map(str, sizes))
+
+
+def overhead(case: str) -> None:
+    """Per-call cost with a model of little compute (Python work dominates): ``mlp32`` is
+    an MLP 32-32-10 on one device, ``deep48`` 48 layers ``Linear(8, 8)`` (290 state
+    leaves with adamw: per-leaf cost shows) on one device, ``deep48x8`` the same over 8
+    replicas."""
+    sizes, batch, replicas, calls, rounds = OVERHEAD_CASES[case]
+    strategy = jd.OneDeviceStrategy() if replicas == 1 else jd.MirroredStrategy()
     cands = candidates(strategy, sizes, batch)
     tx = optax.adamw(1e-3)
     model = MLP(sizes, nnx.Rngs(0))
     opt = nnx.Optimizer(model, tx, wrt=nnx.Param)
+    leaves = len(jax.tree.leaves(nnx.state((model, opt))))
     x, y = jnp.ones((batch, sizes[0])), jnp.zeros((batch,), jnp.int32)
 
     @jax.jit
@@ -223,15 +274,21 @@ def overhead() -> None:
 
     cands = {
         "jax.jit (hand)": cands["shard_map"],
-        "split/merge+jit": run_split,
         "nnx.jit": cands["nnx.jit"],
         "train_step nnx": cands["train_step nnx"],
+        f"train_step k={GROUP}": cands[f"train_step k={GROUP}"],
         "train_step linen": cands["train_step linen"],
+        "strategy.function": cands["strategy.function"],
     }
-    samples = _harness.sample(cands, calls=300, rounds=21)
+    if replicas == 1:
+        cands["split/merge+jit"] = run_split
+    samples = per_step(_harness.sample(cands, calls=calls, rounds=rounds))
     ratios = _harness.paired_ratios(samples, "jax.jit (hand)")
     print(_harness.describe_machine())
-    print(f"one device, MLP {'-'.join(map(str, sizes))}, adamw, batch {batch}")
+    print(
+        f"{case}: {replicas} replica(s), MLP {_shape(sizes)} ({leaves} state "
+        f"leaves), adamw, batch {batch}"
+    )
     for name, times in samples.items():
         med, q1, q3 = ratios[name]
         print(
@@ -243,6 +300,8 @@ def overhead() -> None:
 if __name__ == "__main__":
     _harness.setup_devices(8)
     if "--overhead" in sys.argv:
-        overhead()
+        named = [a for a in sys.argv[1:] if a in OVERHEAD_CASES]
+        for case in named or list(OVERHEAD_CASES):
+            overhead(case)
     else:
         main()

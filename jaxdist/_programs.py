@@ -23,7 +23,7 @@ import types
 import warnings
 import weakref
 from collections.abc import Callable, Hashable
-from typing import Any
+from typing import Any, cast
 
 import jax
 
@@ -67,9 +67,14 @@ class Program:
             jit_kwargs["compiler_options"] = dict(opts.experimental_xla_options)
         # What `Strategy._dispatch` calls with (args, kwargs).
         self.call: Callable[[tuple[Any, ...], dict[str, Any]], Any]
+        where = f"{type(strategy).__name__}.run({name})"
         if opts.donate_args:
             self.jitted = jax.jit(_with_counts(program), donate_argnums=(0, 1), **jit_kwargs)
-            self.call = _donating(self.jitted, f"{type(strategy).__name__}.run({name})")
+            self.call = _donating(self.jitted, where)
+        elif opts.donate_argnums:
+            nums = cast(tuple[int, ...], opts.donate_argnums)  # a tuple: RunOptions made it
+            self.jitted = jax.jit(_some_donated(program, nums), donate_argnums=0, **jit_kwargs)
+            self.call = _donating_some(self.jitted, nums, where)
         else:
             self.jitted = jax.jit(program, **jit_kwargs)
             self.call = self.jitted
@@ -80,6 +85,9 @@ class Program:
     def lower(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> LoweredStep:
         if self.call is self.jitted:
             return LoweredStep(self.jitted.lower(args, kwargs))
+        nums = getattr(self.call, "donate_argnums", None)
+        if nums is not None:
+            return LoweredStep(self.jitted.lower(*_split_donated(args, kwargs, nums)))
         return LoweredStep(self.jitted.lower(*_counts_apart(args, kwargs)[:3]))
 
 
@@ -143,14 +151,85 @@ def _donating(jitted: Callable[..., Any], where: str) -> Callable[[Any, Any], An
     return call
 
 
-def _donated_error(where: str, args: Any, kwargs: Any) -> RuntimeError:
+_HOLDS_PER_REPLICA: dict[Any, bool] = {}  # by tree structure of the donated arguments
+
+
+def _split_donated(
+    args: tuple[Any, ...], kwargs: Any, nums: tuple[int, ...]
+) -> tuple[Any, Any, Any, list[Any]]:
+    """(the donated arguments without their valid counts, the others, kwargs, the
+    counts): the jitted arguments of a program donating ``nums``. Donated arguments
+    without `PerReplica` values (parameters, optimizer state: the usual case) are not
+    walked in Python; whether they hold any is decided once per tree structure."""
+    donated = tuple(args[i] for i in nums)
+    kept = tuple(x for i, x in enumerate(args) if i not in nums)
+    treedef = jax.tree.structure(donated)
+    holds = _HOLDS_PER_REPLICA.get(treedef)
+    if holds is None:
+        leaves = jax.tree.leaves(donated, is_leaf=_is_per_replica)
+        holds = _HOLDS_PER_REPLICA[treedef] = any(type(x) is PerReplica for x in leaves)
+    if not holds:
+        return donated, kept, kwargs, []
+    donated, _, counts, _ = _counts_apart(donated, {})
+    return donated, kept, kwargs, counts
+
+
+def _any_deleted(tree: Any) -> bool:
+    """Whether an array of ``tree`` was deleted (donated); one C-level pass over them."""
+    arrays = [x for x in jax.tree.leaves(tree) if type(x) is _ARRAY]
+    return any(map(_ARRAY.is_deleted, arrays))
+
+
+def _some_donated(
+    program: Callable[[Any, Any], Any], nums: tuple[int, ...]
+) -> Callable[[Any, Any, Any, list[Any]], Any]:
+    """``program`` taking its arguments split as `_split_donated` splits them."""
+
+    def split(donated: Any, kept: Any, kwargs: Any, counts: list[Any]) -> Any:
+        it = iter(counts)
+
+        def put(x: Any) -> Any:
+            return _per_replica(None, (x.array, next(it))) if type(x) is PerReplica else x
+
+        donated = jax.tree.map(put, donated, is_leaf=_is_per_replica)
+        d, k = iter(donated), iter(kept)
+        args = tuple(next(d) if i in nums else next(k) for i in range(len(nums) + len(kept)))
+        return program(args, kwargs)
+
+    split.__name__ = split.__qualname__ = getattr(program, "__name__", "program")
+    return split
+
+
+def _donating_some(
+    jitted: Callable[..., Any], nums: tuple[int, ...], where: str
+) -> Callable[[Any, Any], Any]:
+    def call(args: Any, kwargs: Any) -> Any:
+        if nums[-1] >= len(args):
+            raise ValueError(
+                f"{where}: RunOptions(donate_argnums={nums}) names argument {nums[-1]}, but "
+                f"the function was called with {len(args)} positional argument(s) (after ctx)."
+            )
+        split = _split_donated(args, kwargs, nums)
+        # A buffer donated by an earlier call and passed again crashes XLA's CPU runtime
+        # (segmentation fault with jax 0.10): refuse it first.
+        if _any_deleted(split):
+            raise _donated_error(where, args, kwargs, "RunOptions(donate_argnums=...)")
+        return jitted(*split)
+
+    call.donate_argnums = nums  # type: ignore[attr-defined]
+    return call
+
+
+def _donated_error(
+    where: str, args: Any, kwargs: Any, option: str = "RunOptions(donate_args=True)"
+) -> RuntimeError:
     flat = jax.tree_util.tree_flatten_with_path((args, kwargs))[0]
     paths = [path_str(p) for p, x in flat if type(x) is _ARRAY and x.is_deleted()]
     return RuntimeError(
         f"{where}: {', '.join(paths)} {'was' if len(paths) == 1 else 'were'} donated to an "
-        "earlier call (RunOptions(donate_args=True) gives the arguments' buffers to the "
+        f"earlier call ({option} gives the arguments' buffers to the "
         "outputs): pass the values that call returned, or copy the arguments first "
-        "(jnp.copy), or run without donate_args."
+        "(jnp.copy), or run without donation."
     )
 
 

@@ -353,7 +353,11 @@ class Strategy:
         return call(args, kwargs)
 
     def function(
-        self, fn: Callable[..., Any] | None = None, *, options: RunOptions | None = None
+        self,
+        fn: Callable[..., Any] | None = None,
+        *,
+        options: RunOptions | None = None,
+        donate_argnums: int | tuple[int, ...] | None = None,
     ) -> Any:
         """Decorator: the reusable compiled form of `run`.
 
@@ -370,7 +374,7 @@ class Strategy:
             2.0
         """
         if fn is None:
-            return functools.partial(self.function, options=options)
+            return functools.partial(self.function, options=options, donate_argnums=donate_argnums)
         if not callable(fn):
             raise TypeError(
                 f"{self._name('function')}: fn must be callable, got {type(fn).__name__}."
@@ -380,6 +384,8 @@ class Strategy:
                 f"{self._name('function')}: options must be a jaxdist.RunOptions, got "
                 f"{type(options).__name__}."
             )
+        if donate_argnums is not None:
+            options = dataclasses.replace(options or RunOptions(), donate_argnums=donate_argnums)
         program = Program(_strong(fn), self, options, plain=False)
         caller = program.caller
 

@@ -8,12 +8,27 @@ GPU step of a small model. So a `StateCache` walks the objects' graph once
 - the `GraphDef` (static: the step is compiled for it),
 - the `nnx.Variable` objects themselves, in state order, whose raw values are
   read and written directly on every later call,
-- a fingerprint of every graph node: its attribute dict and the identity of
-  each attribute value. Replacing a submodule or a `Variable`, adding an
-  attribute or flipping a static flag (``model.eval()``) changes it; updating
-  a variable's value does not. `unchanged` compares it in a few microseconds,
-  and a changed structure falls back to a new walk (and a new program when
-  the `GraphDef` differs).
+- a snapshot of every graph node's attribute dict (a shallow copy). A call
+  compares the live dicts with it in one C-level ``==`` per node: an
+  attribute that is still the same object compares by identity at no cost,
+  so a step whose structure holds pays one pass over the attributes and no
+  Python per attribute. Replacing a submodule (NNX nodes compare by
+  identity) or a `Variable` of more than one element (comparing two such
+  variables raises, taken as a change), adding or removing an attribute, or
+  flipping a static flag (``model.eval()``) is seen; so is replacing a
+  variable of one element (the one case where two different variables can
+  compare equal), through an identity check of those few attributes.
+  Updating a variable's value changes nothing. A changed structure falls
+  back to a new walk (and a new program when the `GraphDef` differs).
+
+Values are read and written through the ``_raw_value`` slot descriptor of
+``nnx.Variable`` mapped over the variables (one C-level pass each way), as
+`nnx.update` would set them, without its walk.
+
+This is the design Flax's own ``nnx.cached_partial`` takes (walk once, keep
+the `Variable` objects, set their values after each call), plus the change
+check that ``cached_partial`` leaves out: it documents that the structure
+must not change, while a train step here notices and recompiles.
 
 flax is imported lazily: jaxdist does not depend on it.
 """
@@ -21,11 +36,9 @@ flax is imported lazily: jaxdist does not depend on it.
 from __future__ import annotations
 
 import collections
-import itertools
 import operator
 import sys
 from collections.abc import Sequence
-from itertools import chain
 from typing import Any
 
 import jax
@@ -49,10 +62,28 @@ def _path_str(path: Sequence[Any]) -> str:
     return ".".join(str(p) for p in path)
 
 
-_setattr = object.__setattr__
-_RAW_VALUE = itertools.repeat("_raw_value")
 _drain: Any = collections.deque(maxlen=0).extend  # runs an iterator to its end, in C
-_dict_values: Any = dict.values
+_raw_value = operator.attrgetter("_raw_value")
+
+
+def _slot_setter(variables: Sequence[Any]) -> Any:
+    """``set(variable, value)`` for all of ``variables``: the ``_raw_value`` slot
+    descriptor's ``__set__`` when they share it (a third of the cost of
+    ``object.__setattr__``, which looks the name up on every call), else that."""
+    slots = {_owner_slot(type(v)) for v in variables}
+    if len(slots) == 1:
+        (slot,) = slots
+        if type(slot).__name__ == "member_descriptor":
+            return slot.__set__
+    return lambda v, value: object.__setattr__(v, "_raw_value", value)
+
+
+def _owner_slot(cls: type) -> Any:
+    """What the class attribute ``_raw_value`` resolves to on ``cls`` (its slot)."""
+    for c in cls.__mro__:
+        if "_raw_value" in vars(c):
+            return vars(c)["_raw_value"]
+    return None
 
 
 class StateCache:
@@ -64,7 +95,9 @@ class StateCache:
         "nodes",
         "objects",
         "paths",
+        "pinned",
         "probes",
+        "set_value",
         "snapshots",
         "state_treedef",
         "variables",
@@ -96,31 +129,36 @@ class StateCache:
                     "static attribute)."
                 )
         self.is_key = [isinstance(v, nnx.RngKey) for v in self.variables]
+        self.set_value = _slot_setter(self.variables)
         self.nodes = [
             node
             for _, node in nnx.iter_graph(objects)
             if isinstance(node, nnx.Pytree) and hasattr(node, "__dict__")
         ]
-        self.snapshots = self._fingerprint()
-
-    def _fingerprint(self) -> tuple[list[int], list[Any]]:
-        """Each node's attribute count, and every attribute value, in order."""
-        dicts = list(map(vars, self.nodes))
-        return list(map(len, dicts)), list(chain.from_iterable(map(_dict_values, dicts)))
+        self.snapshots = [dict(vars(node)) for node in self.nodes]
+        # Attributes holding a variable of at most one element: two such variables may
+        # compare equal by value, so `unchanged` checks these by identity.
+        self.pinned = [
+            (attrs, name, value)
+            for attrs in map(vars, self.nodes)
+            for name, value in attrs.items()
+            if isinstance(value, nnx.Variable) and np.size(value.get_raw_value()) <= 1
+        ]
 
     def unchanged(self, objects: Sequence[Any]) -> bool:
         """True when ``objects`` are the cached ones with the same graph structure."""
         if len(objects) != len(self.objects) or not all(map(operator.is_, objects, self.objects)):
             return False
-        lengths, values = self.snapshots
-        dicts = list(map(vars, self.nodes))
-        if list(map(len, dicts)) != lengths:
+        try:
+            if list(map(vars, self.nodes)) != self.snapshots:
+                return False
+        except Exception:  # a replaced variable's `==` raised: the structure changed
             return False
-        return all(map(operator.is_, chain.from_iterable(map(_dict_values, dicts)), values))
+        return all(attrs.get(name) is value for attrs, name, value in self.pinned)
 
     def read(self) -> list[Any]:
         """The variables' current values (no copies)."""
-        return [v._raw_value for v in self.variables]
+        return list(map(_raw_value, self.variables))
 
     def write(self, values: Sequence[Any]) -> None:
         """Sets the variables' values in place, as `nnx.update` would (without its walk).
@@ -131,7 +169,7 @@ class StateCache:
             raise ValueError(
                 f"jaxdist: {len(values)} values for {len(self.variables)} NNX variables."
             )
-        _drain(map(_setattr, self.variables, _RAW_VALUE, values))
+        _drain(map(self.set_value, self.variables, values))
 
     def rebuild(self, values: Sequence[Any]) -> tuple[Any, ...]:
         """New NNX objects (inside a trace) holding ``values``, with this structure."""

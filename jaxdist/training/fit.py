@@ -72,12 +72,14 @@ import jax
 from jaxdist._scope import get_strategy
 from jaxdist.input import DistributedDataset, DistributedIterator
 from jaxdist.strategy import Strategy
+from jaxdist.training._fit_groups import GroupFeed
 from jaxdist.training._interrupts import Interrupts
 from jaxdist.training._loop import FitInterrupted, FitPreempted, History, Runner
 from jaxdist.training._nnx import is_nnx_node
 from jaxdist.training.callbacks import Callback, FitLoop, TerminateOnNaN, functional_result
 from jaxdist.training.checkpoints import Checkpoint
 from jaxdist.training.progress import Progress, want_bar
+from jaxdist.training.state import TrainState
 from jaxdist.training.step import TrainStep
 
 __all__ = ["FitInterrupted", "FitPreempted", "History", "fit"]
@@ -104,6 +106,43 @@ def _strategy_for(step: Any, strategy: Strategy | None) -> Strategy:
             "same strategy."
         )
     return strategy
+
+
+def _grouped_step(
+    step: Any,
+    steps_per_execution: int | None,
+    checkpoint: Any,
+    functional: tuple[bool, ...],
+    state: tuple[Any, ...],
+) -> TrainStep | None:
+    """The train step to run when ``steps_per_execution`` (or the step's own) differs
+    from the step's; ``None`` to run ``step`` as it is."""
+    own = step.steps_per_execution if isinstance(step, TrainStep) else 1
+    k = own if steps_per_execution is None else steps_per_execution
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+        raise ValueError(f"{_WHERE}: steps_per_execution must be an int >= 1, got {k!r}.")
+    if k == 1:
+        # A grouped train step run one step per call (fit was asked for 1).
+        return None if own == 1 else TrainStep(step._fn, step._strategy, step._donate, 1)
+    if not isinstance(step, TrainStep):
+        raise TypeError(
+            f"{_WHERE}: steps_per_execution={k} needs a jd.train_step as the step (it runs "
+            f"the steps in one compiled call); got {type(step).__name__}."
+        )
+    if checkpoint is not None:
+        raise ValueError(
+            f"{_WHERE}: steps_per_execution={k} cannot be combined with a "
+            "jd.training.Checkpoint callback yet (it saves between single steps); use "
+            "steps_per_execution=1 with checkpoints."
+        )
+    for i, f in enumerate(functional):
+        if f and not isinstance(state[i], TrainState):
+            raise TypeError(
+                f"{_WHERE}: with steps_per_execution={k}, functional state must be "
+                f"jd.TrainState objects (carried from step to step inside a call); state "
+                f"argument {i} is a {type(state[i]).__name__}."
+            )
+    return step if own == k else TrainStep(step._fn, step._strategy, step._donate, k)
 
 
 def _check_counts(**counts: int | None) -> None:
@@ -190,6 +229,7 @@ def fit(
     initial_step: int = 0,
     strategy: Strategy | None = None,
     resume: bool = False,
+    steps_per_execution: int | None = None,
 ) -> Any:  # History, or (new_state, History) for functional state
     """Trains with ``step(*state, batch)`` over ``data`` for some epochs or steps.
 
@@ -234,6 +274,14 @@ def fit(
             functional states replaced), the step, the epoch, the data's
             position and the history so far; without a checkpoint there, start
             afresh. Give the state and data built as for the run that saved it.
+        steps_per_execution: run this many steps in one compiled call (Keras's
+            name): the step must be a `jaxdist.train_step`; ``None`` means the
+            step's own (``jd.train_step(..., steps_per_execution=k)``), else a
+            copy of the step with this value is used. Callbacks, the progress
+            bar and the metrics still see every step, but the state moves a
+            group at a time: a callback inside a group sees the state after it,
+            and a stop requested inside a group ends with the group done. Not
+            with a `Checkpoint` callback (it saves between single steps).
 
     Returns:
         The `History` when every state argument is an NNX object; otherwise
@@ -298,6 +346,7 @@ def fit(
     if epochs is None and steps is None:
         epochs = initial_epoch + 1
     functional = tuple(not is_nnx_node(s) for s in state)
+    grouped = _grouped_step(step, steps_per_execution, checkpoint, functional, state)
     _check_state(state, functional)
     if (
         any(functional)
@@ -328,6 +377,11 @@ def fit(
     with strategy.scope(), Interrupts() as interrupts:
         try:
             train, total = _distributed(strategy, data)
+            if grouped is not None and grouped.steps_per_execution == 1:
+                step = grouped
+            elif grouped is not None:
+                feed = GroupFeed(grouped, loop)
+                step, train = feed, feed.dataset(train)
             evaluation = None if eval_data is None else _distributed(strategy, eval_data)[0]
             runner = Runner(
                 step,

@@ -28,25 +28,40 @@ does), and:
 
 The NNX graph is walked once per structure, not per call (see
 `jaxdist.training._nnx`): later calls read and write the variables directly.
+
+``steps_per_execution=k`` runs k steps per call over the next k batches of an
+iterator, in one ``lax.scan`` (see `jaxdist.training._grouped`);
+``donate_argnums`` donates exactly the named functional arguments (a plain
+pytree of parameters and optimizer state, say) instead of every `TrainState`.
 """
 
 from __future__ import annotations
 
+import collections.abc
 import functools
-import inspect
-import operator
+import itertools
 from collections.abc import Callable
 from typing import Any
 
 import jax
+import numpy as np
 
 from jaxdist._compile import Synced, replicated
-from jaxdist._jax_compat import concrete_array_type, is_tracer
+from jaxdist._jax_compat import concrete_array_type
 from jaxdist._programs import LoweredStep
 from jaxdist._scope import get_strategy
 from jaxdist.context import ReplicaContext
 from jaxdist.strategy import Strategy
 from jaxdist.training import _sharded_state as sharded
+from jaxdist.training._grouped import (
+    Stacked,
+    concat_outputs,
+    runs,
+    scan_steps,
+    stack_batches,
+    take_states,
+    unstack_outputs,
+)
 from jaxdist.training._guards import (
     StateGuard,
     check_call,
@@ -55,37 +70,22 @@ from jaxdist.training._guards import (
     object_labels,
     warn_host_batch,
 )
-from jaxdist.training._nnx import StateCache, is_nnx_node
+from jaxdist.training._nnx import StateCache
 from jaxdist.training._place import placed_copy
 from jaxdist.training._sharded_state import StateDims
+from jaxdist.training._step_args import (
+    Layout,
+    argument_label,
+    is_state_node,
+    probe,
+)
 from jaxdist.training.state import TrainState
 from jaxdist.values import DistributedValues
 from jaxdist.variables import Variable
 
 __all__ = ["TrainStep", "train_step"]
 
-_NNX, _STATE, _OTHER = range(3)
 _ARRAY: Any = concrete_array_type()
-
-
-_LEAF_TYPES: dict[type, bool] = {}
-
-
-def _is_state_node(x: Any) -> bool:
-    """Leaves of a step's argument tree: state objects, and distributed values and variables
-    (left whole for `jaxdist._compile.replicated` to map over the replicas).
-
-    Decided once per type (flax's ``isinstance`` checks run Python metaclass code, and
-    this is called on every node of every call's arguments), except for tracers, whose
-    answer depends on their abstract value.
-    """
-    t = type(x)
-    known = _LEAF_TYPES.get(t)
-    if known is None:
-        known = isinstance(x, (TrainState, DistributedValues, Variable)) or is_nnx_node(x)
-        if not is_tracer(x):
-            _LEAF_TYPES[t] = known
-    return known
 
 
 class _ObjectRef:
@@ -97,51 +97,6 @@ class _ObjectRef:
         self.index = index
 
 
-class _Layout:
-    """Where the NNX objects and `TrainState`s sit among one call's arguments."""
-
-    __slots__ = ("_others", "_states", "kinds", "objects", "treedef")
-
-    def __init__(self, leaves: list[Any], treedef: Any) -> None:
-        self.treedef = treedef
-        self.kinds = tuple(
-            _STATE if isinstance(x, TrainState) else _NNX if is_nnx_node(x) else _OTHER
-            for x in leaves
-        )
-        # Each a function of the leaves: the NNX objects, the `TrainState`s, the others.
-        self.objects, self._states, self._others = (
-            _picker(self.kinds, kind) for kind in (_NNX, _STATE, _OTHER)
-        )
-
-    def key(self) -> tuple[Any, ...]:
-        return (self.treedef, self.kinds)
-
-    def split(self, leaves: list[Any]) -> tuple[list[Any], list[Any]]:
-        """(the `TrainState` leaves, the other leaves), in order."""
-        return self._states(leaves), self._others(leaves)
-
-    def join(self, objects: tuple[Any, ...], states: list[Any], others: list[Any]) -> list[Any]:
-        it_obj, it_state, it_other = iter(objects), iter(states), iter(others)
-        out = []
-        for k in self.kinds:
-            out.append(
-                next(it_obj) if k == _NNX else next(it_state) if k == _STATE else next(it_other)
-            )
-        return out
-
-
-def _picker(kinds: tuple[int, ...], kind: int) -> Callable[[list[Any]], list[Any]]:
-    """A function returning the leaves of ``kind``, as a list (per call: no Python loop)."""
-    positions = [i for i, k in enumerate(kinds) if k == kind]
-    if not positions:
-        return lambda leaves: []
-    if len(positions) == 1:
-        (i,) = positions
-        return lambda leaves: [leaves[i]]
-    get = operator.itemgetter(*positions)
-    return lambda leaves: list(get(leaves))
-
-
 class _StepProgram:
     """The jitted step for one strategy, argument layout and NNX structure."""
 
@@ -151,10 +106,13 @@ class _StepProgram:
         self,
         fn: Callable[..., Any],
         strategy: Strategy,
-        layout: _Layout,
+        layout: Layout,
         cache: StateCache | None,
         donate: bool,
         where: str,
+        grouped: bool = False,
+        stack: bool = False,
+        donate_states: bool = False,
         dims: StateDims | None = None,  # state stored sharded (FSDPStrategy)
         guard: StateGuard | None = None,
         update_state: bool = True,
@@ -164,9 +122,10 @@ class _StepProgram:
         self.has_refs = [False]
         has_refs = self.has_refs
 
-        def replica_fn(
+        def one_step(
             ctx: ReplicaContext, nnx_values: list[Any], states: list[Any], others: list[Any]
-        ) -> Any:
+        ) -> tuple[Any, list[Any]]:
+            """One step: (the step's output, the NNX values after it)."""
             objects: tuple[Any, ...] = ()
             entered = list(nnx_values)
             if cache is not None:
@@ -192,38 +151,90 @@ class _StepProgram:
 
                 out = jax.tree.map(ref, out, is_leaf=lambda x: id(x) in ids)
             check_outputs(fn, where, out, (_ObjectRef, DistributedValues, Variable, Synced))
-            synced: list[Any] = []
+            new: list[Any] = []
             if cache is not None:
-                new = cache.extract(objects, where)
-                assert guard is not None
+                extracted = cache.extract(objects, where)
                 if not update_state:  # nothing written back; parameters must not change
-                    guard.check_unchanged(new, entered)
-                    return out, synced
-                for i, value in enumerate(new):
+                    assert guard is not None
+                    guard.check_unchanged(extracted, entered)
+                    return out, new
+                for i, value in enumerate(extracted):
                     if cache.is_key[i] and value is entered[i]:
                         value = nnx_values[i]  # the stream's key is unchanged: keep its base
-                    dim = None if dims is None else dims[0][i]
-                    if dim is not None:  # stored sharded (FSDPStrategy): this device's slice
-                        synced.append(Synced(value, f"NNX variable {cache.paths[i]}", dim))
-                    else:
-                        # Parameters and optimizer state plain, so per-replica ones raise
-                        # (`StateGuard.check`); other state `Synced` (averaged when it differs).
-                        synced.append(guard.output(i, value, Synced, n))
-            return out, synced
+                    new.append(value)
+            return out, new
+
+        def synced(values: list[Any]) -> list[Any]:
+            assert cache is not None or not values
+            result = []
+            for i, value in enumerate(values):
+                what = f"NNX variable {cache.paths[i]}"  # type: ignore[union-attr]
+                dim = None if dims is None else dims[0][i]
+                if dim is not None:  # stored sharded (FSDPStrategy): this device's slice
+                    result.append(Synced(value, what, dim))
+                elif guard is not None:
+                    # Parameters and optimizer state plain, so per-replica ones raise
+                    # (`StateGuard.check`); other state `Synced` (averaged when it differs).
+                    result.append(guard.output(i, value, Synced, n))
+                else:
+                    result.append(Synced(value, what))
+            return result
+
+        def replica_fn(
+            ctx: ReplicaContext, nnx_values: list[Any], states: list[Any], others: list[Any]
+        ) -> Any:
+            out, new = one_step(ctx, nnx_values, states, others)
+            return out, synced(new)
+
+        def grouped_fn(
+            ctx: ReplicaContext, nnx_values: list[Any], states: list[Any], others: list[Any]
+        ) -> Any:
+            """The steps of a group: `scan_steps` over the `Stacked` batch among ``others``."""
+            (pos,) = [i for i, x in enumerate(others) if isinstance(x, Stacked)]
+            statics: list[Any] = []
+
+            def one(carry: tuple[list[Any], list[Any]], batch: Any) -> Any:
+                values, states_in = carry
+                rest = list(others)
+                rest[pos] = batch
+                out, new = one_step(ctx, values, states_in, rest)
+                new_states, leaves, tree, state_at = take_states(out, len(states_in), where)
+                arrays = [i for i, x in enumerate(leaves) if i not in state_at and _is_array(x)]
+                statics[:] = [tree, leaves, arrays, state_at]
+                return (new, new_states), [jax.numpy.asarray(leaves[i]) for i in arrays]
+
+            n_values = len(nnx_values)
+
+            def label(i: int) -> tuple[str, bool]:
+                if i < n_values:
+                    return f"{where}: NNX variable {cache.paths[i]}", True  # type: ignore
+                return f"{where}: an array of a TrainState argument", False
+
+            (values, new_states), stacked = scan_steps(
+                one, (nnx_values, states), others[pos].tree, ctx.axis_name, label
+            )
+            tree, leaves, arrays, state_at = statics
+            leaves = list(leaves)
+            for i, y in zip(arrays, stacked, strict=True):
+                leaves[i] = y if stack else y[-1]
+            for i, state in zip(state_at, new_states, strict=True):
+                leaves[i] = state
+            return jax.tree.unflatten(tree, leaves), synced(values)
+
+        step_fn = grouped_fn if grouped else replica_fn
 
         def program(nnx_values: list[Any], states: list[Any], others: list[Any]) -> Any:
             if dims is not None:
                 nnx_values = sharded.shard_in(nnx_values, dims[0])
                 states = sharded.shard_states_in(states, dims)
-            out, synced = replicated(
-                replica_fn, strategy, (nnx_values, states, others), {}, plain=True
-            )
+            out, new = replicated(step_fn, strategy, (nnx_values, states, others), {}, plain=True)
             if guard is not None:
-                guard.check(synced)
-            return out, synced
+                guard.check(new)
+            return out, new
 
         program.__name__ = f"jaxdist_train_step_{getattr(fn, '__name__', 'fn')}"
-        donated = ((0, 1) if update_state else (1,)) if donate else ()
+        nnx_donated = (0,) if donate and update_state else ()
+        donated = nnx_donated + ((1,) if donate or donate_states else ())
         jitted = self.jitted = jax.jit(program, donate_argnums=donated)
 
         def call(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -242,6 +253,11 @@ class TrainStep:
         fn: Callable[..., Any],
         strategy: Strategy | None,
         donate: bool,
+        steps_per_execution: int = 1,
+        stack_outputs: bool = False,
+        *,
+        donate_argnums: tuple[int, ...] | None = None,
+        _grouped: bool = False,
         update_state: bool | None = None,
     ) -> None:
         if not callable(fn):
@@ -249,6 +265,14 @@ class TrainStep:
         self._fn = fn
         self._strategy = strategy
         self._donate = donate
+        self.steps_per_execution = steps_per_execution
+        self._stack = stack_outputs
+        self._grouped = _grouped
+        self._donate_argnums = donate_argnums
+        self._checks = donate or donate_argnums is not None  # donated buffers to refuse
+        # The programs over a group of batches (`_call_group`), by whether they stack the
+        # outputs: steps of their own, with their own caches, made on first use.
+        self._group_steps: dict[bool, TrainStep] = {}
         self._update_state = update_state  # None: True, except as jd.fit's eval_step
         self._warned_host = False
         self._programs: dict[Any, _StepProgram] = {}
@@ -262,7 +286,7 @@ class TrainStep:
 
     def _prepare(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
         strategy = self._strategy if self._strategy is not None else get_strategy()
-        leaves, treedef = jax.tree.flatten((args, kwargs), is_leaf=_is_state_node)
+        leaves, treedef = jax.tree.flatten((args, kwargs), is_leaf=is_state_node)
         last = self._last
         if last is not None and last[0] is strategy and last[1] == treedef:
             _, _, layout, cache, program = last
@@ -270,10 +294,29 @@ class TrainStep:
             if cache is None or cache.unchanged(objects):
                 states, others = layout.split(leaves)
                 values = cache.read() if cache is not None else []
-                if self._donate:
+                if self._checks:
                     self._check_donated(states, cache, values, args, kwargs)
                 return strategy, layout, cache, program, values, states, others
         return self._slow_prepare(strategy, leaves, treedef, args, kwargs)
+
+    def _donated_leaves(self, args: tuple[Any, ...]) -> set[int] | None:
+        """The leaf positions of the arguments named by ``donate_argnums`` (None without)."""
+        nums = self._donate_argnums
+        if nums is None:
+            return None
+        if nums and nums[-1] >= len(args):
+            raise ValueError(
+                f"{self._where}: donate_argnums={nums} names argument {nums[-1]}, but the "
+                f"step was called with {len(args)} positional argument(s) (after ctx)."
+            )
+        out: set[int] = set()
+        start = 0
+        for i, arg in enumerate(args):
+            n = len(jax.tree.leaves(arg, is_leaf=is_state_node))
+            if i in nums:
+                out.update(range(start, start + n))
+            start += n
+        return out
 
     def _check_donated(
         self,
@@ -287,8 +330,8 @@ class TrainStep:
         ``is_deleted()`` per `TrainState` and per NNX object. (Given a deleted buffer,
         jax 0.10's multi-device CPU programs end the process instead of raising.)"""
         for state in states:
-            probe = _probe(state)
-            if probe is not None and probe.is_deleted():
+            array = probe(state)
+            if array is not None and array.is_deleted():
                 raise self._donated_error(
                     state,
                     "Its arrays were donated to an earlier call of this step, which reused "
@@ -319,7 +362,7 @@ class TrainStep:
     def _donated_error(
         self, obj: Any, detail: str, fix: str, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> RuntimeError:
-        name, where = _argument_label(self._fn, obj, args, kwargs)
+        name, where = argument_label(self._fn, obj, args, kwargs)
         kind = type(obj).__name__
         label = f"`{name}` ({where}, {kind})" if name else f"{where} ({kind})"
         return RuntimeError(
@@ -345,7 +388,7 @@ class TrainStep:
         if not self._warned_host:
             n = strategy.num_replicas_in_sync
             self._warned_host = warn_host_batch(self._fn, self._where, n, args, kwargs)
-        layout = _Layout(leaves, treedef)
+        layout = Layout(leaves, treedef, self._donated_leaves(args))
         objects = tuple(layout.objects(leaves))
         if len({id(o) for o in objects}) != len(objects):
             raise ValueError(
@@ -360,7 +403,7 @@ class TrainStep:
                 cache = StateCache(objects, self._where)
                 self._caches = {ids: cache}  # one structure kept: the one in use
         states, others = layout.split(leaves)
-        if self._donate:  # before placing: a donated buffer must not reach the program
+        if self._checks:  # before placing: a donated buffer must not reach the program
             self._check_donated(states, cache, [] if cache is None else cache.read(), args, kwargs)
         dims = sharded.state_dims(strategy, cache, states, self._where)
         if cache is not None:
@@ -377,9 +420,19 @@ class TrainStep:
             if cache is not None:
                 labels = object_labels(self._fn, objects, args, kwargs)
                 guard = StateGuard(cache.variables, cache.paths, labels, self._where)
-            update = self._update_state is not False
             program = _StepProgram(
-                self._fn, strategy, layout, cache, self._donate, self._where, dims, guard, update
+                self._fn,
+                strategy,
+                layout,
+                cache,
+                self._donate,
+                self._where,
+                grouped=self._grouped,
+                stack=self._stack,
+                donate_states=self._donate_argnums is not None,
+                dims=dims,
+                guard=guard,
+                update_state=self._update_state is not False,
             )
             self._programs[key] = program
         self._last = (strategy, treedef, layout, cache, program)
@@ -391,6 +444,70 @@ class TrainStep:
         return strategy, layout, cache, program, values, states, others
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self.steps_per_execution == 1 or self._grouped:
+            return self._call_one(args, kwargs)
+        return self._call_group(args, kwargs)
+
+    def _call_group(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """Takes up to ``steps_per_execution`` batches from the iterator among the
+        arguments and runs them: runs of stackable batches (`runs`) in one program each,
+        any other batch as a single step."""
+        outs, n_states = self._group_outputs(args, kwargs, self._stack)
+        if not self._stack:
+            return outs[-1][0]
+        return concat_outputs(outs, n_states, self._where)
+
+    def _each_step(self, *args: Any, **kwargs: Any) -> list[Any]:
+        """One grouped call's outputs, one per step (a `TrainState` output is the group's
+        last state in each); for `jaxdist.fit`, which logs every step."""
+        outs, n_states = self._group_outputs(args, kwargs, True)
+        per_step: list[Any] = []
+        for out, steps in outs:
+            per_step.extend(unstack_outputs(out, steps, n_states, self._where))
+        return per_step
+
+    def _group_outputs(
+        self, args: tuple[Any, ...], kwargs: dict[str, Any], stack: bool
+    ) -> tuple[list[tuple[Any, int]], int]:
+        """(each run's output and its number of steps (1: a single step's output), the
+        number of `TrainState` arguments)."""
+        leaves, treedef = jax.tree.flatten((args, kwargs), is_leaf=is_state_node)
+        where = [i for i, x in enumerate(leaves) if isinstance(x, collections.abc.Iterator)]
+        if len(where) != 1:
+            raise TypeError(
+                f"{self._where}: with steps_per_execution={self.steps_per_execution}, pass "
+                "one iterator of batches where the step's batch goes (for example "
+                "`iter(strategy.experimental_distribute_dataset(dataset))`); each call takes "
+                f"the next {self.steps_per_execution} batches from it. Got "
+                f"{len(where)} iterators among the arguments."
+            )
+        (pos,) = where
+        batches = list(itertools.islice(leaves[pos], self.steps_per_execution))
+        if not batches:
+            raise StopIteration
+        state_at = [i for i, x in enumerate(leaves) if isinstance(x, TrainState)]
+        outs: list[tuple[Any, int]] = []
+        for run in runs(batches):
+            grouped = len(run) > 1
+            leaves[pos] = stack_batches(run) if grouped else run[0]
+            a, kw = jax.tree.unflatten(treedef, leaves)
+            if grouped:
+                twin = self._group_steps.get(stack)
+                if twin is None:
+                    twin = self._group_steps[stack] = TrainStep(
+                        self._fn, self._strategy, self._donate, 1, stack, _grouped=True
+                    )  # (donate_argnums is refused with steps_per_execution)
+                out = twin._call_one(a, kw)
+            else:
+                out = self._call_one(a, kw)
+            outs.append((out, len(run)))
+            if state_at:  # the next run starts from the states this one returned
+                new, _, _, _ = take_states(out, len(state_at), self._where)
+                for i, state in zip(state_at, new, strict=True):
+                    leaves[i] = state
+        return outs, len(state_at)
+
+    def _call_one(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         strategy, _, cache, program, values, states, others = self._prepare(args, kwargs)
         central = strategy._parameter_placed
         if central and values:  # central storage: NNX state lives on the parameter device
@@ -421,45 +538,8 @@ class TrainStep:
         return f"<jaxdist.train_step of {self._fn!r}>"
 
 
-def _probe(state: TrainState) -> Any:
-    """The array of ``state`` whose ``is_deleted()`` tells whether it was donated: its step
-    counter (no tree walk), else its first concrete array leaf; ``None`` when traced."""
-    step = state.step
-    if type(step) is _ARRAY:
-        return step
-    return next((x for x in jax.tree.leaves(state) if type(x) is _ARRAY), None)
-
-
-def _argument_label(
-    fn: Callable[..., Any], obj: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
-) -> tuple[str | None, str]:
-    """Where ``obj`` sits among a step's arguments: (the parameter's name when the signature
-    gives it, the path: ``args[0]``, ``kwargs['opt']``, or a path into either)."""
-    flat, _ = jax.tree_util.tree_flatten_with_path((args, kwargs), is_leaf=_is_state_node)
-    path = next((p for p, leaf in flat if leaf is obj), None)
-    if path is None or len(path) < 2:
-        return None, "?"
-    rest = jax.tree_util.keystr(tuple(path[2:]))
-    if getattr(path[0], "idx", None) == 1:  # a keyword argument
-        name = str(getattr(path[1], "key", "?"))
-        return name, f"kwargs[{name!r}]{rest}"
-    index = getattr(path[1], "idx", 0)
-    return _positional_name(fn, index), f"args[{index}]{rest}"
-
-
-def _positional_name(fn: Callable[..., Any], index: int) -> str | None:
-    """The name of the parameter of ``fn(ctx, *args)`` that ``args[index]`` binds, if any."""
-    try:
-        params = list(inspect.signature(fn).parameters.values())[1:]  # after ctx
-    except (TypeError, ValueError):
-        return None
-    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
-    for i, param in enumerate(params):
-        if param.kind not in positional:
-            return None
-        if i == index:
-            return param.name
-    return None
+def _is_array(x: Any) -> bool:
+    return isinstance(x, (jax.Array, np.ndarray, np.generic))
 
 
 def _place(strategy: Strategy, cache: StateCache) -> None:
@@ -490,6 +570,9 @@ def train_step(
     strategy: Strategy | None = None,
     *,
     donate: bool = True,
+    steps_per_execution: int = 1,
+    stack_outputs: bool = False,
+    donate_argnums: int | tuple[int, ...] | None = None,
     update_state: bool | None = None,
 ) -> Any:
     """Decorator: a compiled data-parallel train step over ``fn(ctx, *args, **kwargs)``.
@@ -507,6 +590,26 @@ def train_step(
             writes back, except when `jaxdist.fit` runs the step as its
             ``eval_step`` (there it acts as ``False``); pass ``True`` to have
             fit's evaluation write state back.
+        steps_per_execution: run this many steps in one compiled call (Keras's
+            name and meaning). ``fn`` is still written for one batch; the caller
+            passes an iterator of distributed batches where the batch goes
+            (``iter(strategy.experimental_distribute_dataset(...))``), and each
+            call takes the next ``steps_per_execution`` batches from it (fewer at
+            the end of the data; a call with none left raises ``StopIteration``)
+            and runs the steps in a ``lax.scan``, with the results of as many
+            single steps. A step over `TrainState` arguments must return each
+            one's new value (``return state, loss``). A padded last batch, or one
+            shaped unlike the group's first, runs as a single step.
+        donate_argnums: donate exactly these positional arguments (after ``ctx``;
+            an int or a tuple) among the functional ones, as
+            ``jax.jit(donate_argnums=...)``: a `TrainState`, or a plain pytree of
+            parameters and optimizer state fed back each step; other `TrainState`
+            arguments are then kept. NNX objects stay donated per ``donate``; a
+            distributed batch is never donated. Not with ``steps_per_execution``.
+        stack_outputs: with ``steps_per_execution``, return every step's outputs
+            stacked on a new leading axis (axis 1 of a `PerReplica`, after the
+            replica axis; `TrainState` outputs are the last step's) instead of the
+            last step's.
 
     Use as ``@jd.train_step(strategy)``, ``@jd.train_step()`` or
     ``@jd.train_step``. The result is called with the step's arguments (without
@@ -541,12 +644,51 @@ def train_step(
         )
     if not isinstance(donate, bool):
         raise TypeError(f"jaxdist.train_step: donate must be a bool, got {donate!r}.")
+    if (
+        not isinstance(steps_per_execution, int)
+        or isinstance(steps_per_execution, bool)
+        or steps_per_execution < 1
+    ):
+        raise ValueError(
+            "jaxdist.train_step: steps_per_execution must be an int >= 1 (the number of "
+            f"steps one call runs), got {steps_per_execution!r}."
+        )
+    if not isinstance(stack_outputs, bool):
+        raise TypeError(f"jaxdist.train_step: stack_outputs must be a bool, got {stack_outputs!r}.")
+    nums: tuple[int, ...] | None = None
+    if donate_argnums is not None:
+        given = donate_argnums
+        given = (given,) if isinstance(given, int) and not isinstance(given, bool) else given
+        if not isinstance(given, (tuple, list)) or any(
+            isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in given
+        ):
+            raise TypeError(
+                "jaxdist.train_step: donate_argnums must be an int >= 0 or a tuple of them "
+                f"(positions of the arguments after ctx), got {donate_argnums!r}."
+            )
+        nums = tuple(sorted(set(given)))
+        if steps_per_execution > 1:
+            raise ValueError(
+                "jaxdist.train_step: donate_argnums cannot be combined with "
+                "steps_per_execution > 1 (a group carries TrainState arguments and donates "
+                "them per `donate`)."
+            )
     if update_state is not None and not isinstance(update_state, bool):
         raise TypeError(
             f"jaxdist.train_step: update_state must be True, False or None, got {update_state!r}."
         )
-    if fn is None:
-        return functools.partial(
-            TrainStep, strategy=strategy, donate=donate, update_state=update_state
+    if update_state is False and steps_per_execution > 1:
+        raise ValueError(
+            "jaxdist.train_step: update_state=False (an evaluation step) cannot be combined "
+            "with steps_per_execution > 1; evaluate one batch per call."
         )
-    return TrainStep(fn, strategy, donate, update_state)
+    make = functools.partial(
+        TrainStep,
+        strategy=strategy,
+        donate=donate,
+        steps_per_execution=steps_per_execution,
+        stack_outputs=stack_outputs,
+        donate_argnums=nums,
+        update_state=update_state,
+    )
+    return make if fn is None else make(fn)

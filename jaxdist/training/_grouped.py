@@ -1,0 +1,252 @@
+"""Several train steps in one compiled call: ``steps_per_execution`` (private).
+
+A grouped call takes up to ``k`` batches from a distributed iterator, stacks
+them along a new axis after the replica axis (one device copy for the group),
+and runs the step function over them with a `jax.lax.scan` inside the
+replicated program. The step's state (the NNX variables, the `TrainState`
+arguments) is the scan's carry:
+
+- it is carried typed as the same on every replica (it is: it left the
+  previous iteration synchronised) and enters the step function cast to
+  per-replica, as a single step's broadcast inputs do, so gradients taken
+  inside are each replica's own;
+- after each iteration, a value that differs between replicas is averaged
+  when it is a float (per-replica statistics, as a single step averages them
+  when it returns), else it is an error, as for a single step; the analysis
+  that decides (`jaxdist._invariance.analyze`) runs once, on the one traced
+  iteration, and the scan replays that trace.
+
+Batches whose shapes differ from the group's first, or that carry their own
+valid-row counts (a padded last batch), run as single steps: the results are
+those of ``k`` single steps in every case.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from jaxdist._invariance import analyze, assume_invariant
+from jaxdist._jax_compat import eval_jaxpr, varies
+from jaxdist.training.state import TrainState
+from jaxdist.values import DistributedValues, PerReplica
+
+__all__ = [
+    "Stacked",
+    "concat_outputs",
+    "runs",
+    "scan_steps",
+    "stack_batches",
+    "take_states",
+    "unstack_outputs",
+]
+
+
+class Stacked:
+    """``k`` batches stacked along axis 1 of each `PerReplica` leaf (a pytree, private):
+    each replica sees its ``k`` batches along a new leading axis."""
+
+    __slots__ = ("tree",)
+
+    def __init__(self, tree: Any) -> None:
+        self.tree = tree
+
+
+jax.tree_util.register_pytree_node(
+    Stacked, lambda s: ((s.tree,), None), lambda _, children: Stacked(children[0])
+)
+
+
+def _is_per_replica(x: Any) -> bool:
+    return isinstance(x, PerReplica)
+
+
+def _signature(batch: Any) -> tuple[Any, ...] | None:
+    """What batches must share to be stacked: structure, shapes, dtypes and the identity of
+    their valid counts (full batches of a distributed dataset share one array); ``None``
+    for a batch that is not all `PerReplica` leaves."""
+    leaves, treedef = jax.tree.flatten(batch, is_leaf=_is_per_replica)
+    if not leaves or not all(type(x) is PerReplica for x in leaves):
+        return None
+    valid = leaves[0].valid
+    if any(x.valid is not valid for x in leaves):
+        return None
+    shapes = tuple((x.array.shape, x.array.dtype) for x in leaves)
+    return treedef, shapes, id(valid)
+
+
+def runs(batches: Sequence[Any]) -> list[list[Any]]:
+    """``batches`` cut into runs that can be stacked: consecutive batches of the same
+    signature (a run of one is run as a single step)."""
+    out: list[list[Any]] = []
+    last: Any = object()
+    for b in batches:
+        sig = _signature(b)
+        if out and sig is not None and sig == last:
+            out[-1].append(b)
+        else:
+            out.append([b])
+        last = sig
+    return out
+
+
+@functools.cache
+def _stacker(sharding: jax.sharding.Sharding) -> Any:
+    return jax.jit(lambda arrays: [jnp.stack(a, axis=1) for a in arrays], out_shardings=sharding)
+
+
+def stack_batches(run: Sequence[Any]) -> Stacked:
+    """The batches of one run as one `Stacked` batch: a `PerReplica` leaf of shape
+    ``(N, k, b, ...)`` per batch leaf, in one program. The valid counts are dropped: a run
+    of several batches holds full batches only (`runs`)."""
+    trees = [jax.tree.flatten(b, is_leaf=_is_per_replica) for b in run]
+    treedef = trees[0][1]
+    columns = [[leaves[i].array for leaves, _ in trees] for i in range(len(trees[0][0]))]
+    sharding = columns[0][0].sharding
+    stacked = _stacker(sharding)(columns)
+    return Stacked(jax.tree.unflatten(treedef, [PerReplica(a) for a in stacked]))
+
+
+def _is_output_leaf(x: Any) -> bool:
+    return isinstance(x, (TrainState, DistributedValues))
+
+
+def take_states(out: Any, count: int, where: str) -> tuple[list[Any], list[Any], Any, list[int]]:
+    """A step's output taken apart: (its `TrainState`s, ``count`` expected: one per
+    `TrainState` argument, in order; its leaves with those states as leaves; the tree;
+    the states' positions among the leaves)."""
+    leaves, treedef = jax.tree.flatten(out, is_leaf=_is_output_leaf)
+    positions = [i for i, x in enumerate(leaves) if isinstance(x, TrainState)]
+    if len(positions) != count:
+        raise ValueError(
+            f"{where}: with steps_per_execution > 1 the step must return the new value of "
+            f"each of its {count} TrainState argument(s) (in the same order), so that the "
+            f"next step of the group starts from it; it returned {len(positions)}. Return "
+            "the state (`return state, loss`), or run with steps_per_execution=1."
+        )
+    return [leaves[i] for i in positions], leaves, treedef, positions
+
+
+def scan_steps(
+    one: Callable[[Any, Any], tuple[Any, Any]],
+    carry: Any,
+    batches: Any,
+    axis: Any,
+    labels: Callable[[int], tuple[str, bool]],
+) -> tuple[Any, list[Any]]:
+    """Runs ``one(carry, batch) -> (carry, outputs)`` over the leading axis of ``batches``
+    inside a replica function; returns the final carry and each output stacked.
+
+    ``carry`` holds values that are the same on every replica (typed as such on entry);
+    after each iteration a new carry value that differs between replicas is averaged
+    or refused: ``labels(i)`` is (the name of carry leaf ``i``, whether it may be
+    averaged when it is a float: NNX variables may, as in a single step; a
+    `TrainState`'s arrays may not, a single step would return them per replica).
+    ``outputs`` must be a flat list of arrays.
+    """
+    carry_leaves, carry_tree = jax.tree.flatten(carry)
+    carry_leaves = [assume_invariant(x, axis) for x in carry_leaves]
+    batch_leaves, batch_tree = jax.tree.flatten(batches)
+    n_carry = len(carry_leaves)
+
+    def flat_one(*xs: Any) -> list[Any]:
+        # Per-replica inside the step, as a single step's broadcast inputs are: gradients
+        # with respect to them are then this replica's own (JAX sums the gradient of an
+        # input typed invariant over the replicas).
+        c = jax.tree.unflatten(carry_tree, [lax.pcast(x, axis, to="varying") for x in xs[:n_carry]])
+        b = jax.tree.unflatten(batch_tree, list(xs[n_carry:]))
+        new, outs = one(c, b)
+        new_leaves, new_tree = jax.tree.flatten(new)
+        if new_tree != carry_tree:  # type: ignore[operator]
+            raise ValueError(f"the state's structure changed in the step: {new_tree}")
+        return [*new_leaves, *outs]
+
+    first = [x[0] for x in batch_leaves]
+    closed = jax.make_jaxpr(flat_one)(*carry_leaves, *first)
+    infos = analyze(closed.jaxpr, axis)[:n_carry]
+
+    def body(c: list[Any], b: list[Any]) -> tuple[list[Any], list[Any]]:
+        outs = eval_jaxpr(closed.jaxpr, closed.consts, *c, *b)
+        synced = []
+        for i, (x, old, info) in enumerate(zip(outs[:n_carry], c, infos, strict=True)):
+            if info.varying:
+                label, averaged = labels(i)
+                if not averaged or not jnp.issubdtype(x.dtype, jnp.inexact):
+                    raise ValueError(
+                        f"{label} differs between replicas after a step, so it cannot be "
+                        "carried to the next step of a group as one copy. Update it from "
+                        "values that are the same on every replica (for example results "
+                        "of ctx.all_reduce), or run with steps_per_execution=1."
+                    )
+                x = lax.pmean(x, axis)
+            elif varies(x, axis):
+                x = assume_invariant(x, axis)
+            if x.dtype != old.dtype:
+                x = x.astype(old.dtype)
+            synced.append(x)
+        return synced, list(outs[n_carry:])
+
+    final, stacked = lax.scan(body, carry_leaves, batch_leaves)
+    return jax.tree.unflatten(carry_tree, final), stacked
+
+
+def concat_outputs(outs: list[tuple[Any, int]], n_states: int, where: str) -> Any:
+    """The outputs of a group's runs as one: each array output stacked over the group's
+    steps (axis 1 of a `PerReplica`), the `TrainState`s the last run's."""
+    parts = []
+    for out, steps in outs:
+        _, leaves, tree, state_at = take_states(out, n_states, where)
+        if steps == 1:  # a single step: a new leading axis of one
+            leaves = [x if i in state_at else _with_step_axis(x) for i, x in enumerate(leaves)]
+        parts.append(leaves)
+    joined = [
+        parts[-1][i] if i in state_at else _join(column)
+        for i, column in enumerate(zip(*parts, strict=True))
+    ]
+    return jax.tree.unflatten(tree, joined)
+
+
+def unstack_outputs(out: Any, steps: int, n_states: int, where: str) -> list[Any]:
+    """A run's output as one output per step (``out`` itself for a single step)."""
+    if steps == 1:
+        return [out]
+    _, leaves, tree, state_at = take_states(out, n_states, where)
+    return [
+        jax.tree.unflatten(
+            tree, [x if i in state_at else _step_of(x, j) for i, x in enumerate(leaves)]
+        )
+        for j in range(steps)
+    ]
+
+
+def _with_step_axis(x: Any) -> Any:
+    if isinstance(x, PerReplica):
+        return PerReplica(x.array[:, None])
+    if isinstance(x, (jax.Array, np.ndarray, np.generic)):
+        return jnp.asarray(x)[None]
+    return x
+
+
+def _step_of(x: Any, j: int) -> Any:
+    if isinstance(x, PerReplica):
+        return PerReplica(x.array[:, j])
+    if isinstance(x, (jax.Array, np.ndarray)):
+        return x[j]
+    return x
+
+
+def _join(column: tuple[Any, ...]) -> Any:
+    if len(column) == 1:
+        return column[0]
+    first = column[0]
+    if isinstance(first, PerReplica):
+        return PerReplica(jnp.concatenate([x.array for x in column], axis=1))
+    if isinstance(first, (jax.Array, np.ndarray, np.generic)):
+        return jnp.concatenate(column, axis=0)
+    return column[-1]

@@ -81,6 +81,7 @@ import numpy as np
 
 from jaxdist._dtypes import lossy_cast, numeric
 from jaxdist._scope import get_strategy
+from jaxdist.checkpoint import _files
 from jaxdist.values import DistributedValues, Mirrored, PerReplica
 from jaxdist.variables import ShardedVariable, Variable
 from jaxdist.variables._meta import _mirrored_sharding
@@ -117,6 +118,15 @@ def _saved_value(x: Any) -> Any:
     return np.asarray(x)
 
 
+def _owned_value(x: Any) -> np.ndarray:
+    """`_saved_value` in host memory of its own: never a view of a device buffer (which a
+    donating step may reuse) nor of the caller's NumPy array (which it may change)."""
+    value = _saved_value(x)
+    if value.flags.owndata and value is not x:
+        return value  # a fresh host copy already (from an accelerator, or a computation)
+    return np.array(value, copy=True)
+
+
 def to_saveable(state: Any) -> Any:
     """The pytree ``state`` with every leaf as a host NumPy array, variables aggregated.
 
@@ -124,9 +134,17 @@ def to_saveable(state: Any) -> Any:
         state: a pytree of arrays, `Variable` and `DistributedValues` leaves.
 
     Returns:
-        The same structure with NumPy arrays at the leaves.
+        The same structure with NumPy arrays at the leaves. They may share memory
+        with the state (on the CPU backend a host array is a view of the device
+        buffer); `host_copy` gives arrays of their own.
     """
     return jax.tree.map(_saved_value, state, is_leaf=is_saved_node)
+
+
+def host_copy(state: Any) -> Any:
+    """`to_saveable` with every leaf copied into host memory of its own, so that the state
+    can change (or its buffers be donated) while the copy is written."""
+    return jax.tree.map(_owned_value, state, is_leaf=is_saved_node)
 
 
 # Paths ------------------------------------------------------------------------------
@@ -357,7 +375,7 @@ def from_saveable(saved: Any, template: Any) -> Any:
 # Files ------------------------------------------------------------------------------
 
 
-def _checkpointer() -> Any:
+def _orbax() -> Any:
     try:
         import orbax.checkpoint as ocp
     except ImportError as e:  # pragma: no cover - exercised only without the extra
@@ -366,7 +384,43 @@ def _checkpointer() -> Any:
             "pip install 'jaxdist[checkpoint]' (or use to_saveable/from_saveable with your "
             "own storage)."
         ) from e
-    return ocp.StandardCheckpointer()
+    return ocp
+
+
+def _checkpointer() -> Any:
+    """orbax's reader of a checkpoint directory."""
+    return _orbax().StandardCheckpointer()
+
+
+def _writer() -> Any:
+    """orbax's synchronous writer of a tree of host arrays, local to this process.
+
+    The arrays are jaxdist's own host copies, so orbax is told not to copy them
+    again (its NumPy handler copies by default, to guard arrays that might change
+    during an asynchronous write); the files are those of orbax's
+    `StandardCheckpointer` (the same handler underneath), which `restore` reads.
+    This process is the writer's only participant: orbax synchronizes the
+    processes of a job with an XLA collective, which must not run beside a
+    training step (or in a background thread), so process 0 writes every array
+    (each process holds the whole host state) and the others wait at a barrier
+    of the ``jax.distributed`` coordination service.
+    """
+    ocp = _orbax()
+    th = ocp.type_handlers
+    registry = th.create_type_handler_registry(
+        (int, th.ScalarHandler()),
+        (float, th.ScalarHandler()),
+        (bytes, th.ScalarHandler()),
+        (np.number, th.ScalarHandler()),
+        (np.ndarray, th.NumpyHandler(deepcopy_host_arrays=False)),
+        (str, th.StringHandler()),
+    )
+    me = jax.process_index()
+    alone = ocp.options.MultiprocessingOptions(primary_host=me, active_processes={me})
+    handler = ocp.PyTreeCheckpointHandler(
+        type_handler_registry=registry, multiprocessing_options=alone
+    )
+    return ocp.Checkpointer(handler, multiprocessing_options=alone)
 
 
 def _digest(x: np.ndarray) -> str:
@@ -408,35 +462,45 @@ class _Hashing:
             self._pool.shutdown(wait=True, cancel_futures=True)
 
 
+def write_saveable(path: str, saveable: Any) -> None:
+    """Writes a tree of host arrays (`to_saveable` or `host_copy`) to the new directory
+    ``path`` with its checksum manifest; every process of a job calls it, process 0
+    writes (see `_writer`).
+
+    It runs no JAX computation and no collective, so it may run in a background
+    thread while training goes on (`CheckpointManager`'s asynchronous saves).
+    """
+    if _files.is_primary():
+        hashing = _Hashing(_indexed("jaxdist.checkpoint.save", saveable))  # while orbax writes
+        try:
+            ckpt = _writer()
+            try:
+                ckpt.save(path, saveable)
+            finally:
+                ckpt.close()
+        finally:
+            entries = hashing.result()
+        leaves = [{"path": list(p), **e} for p, e in entries.items()]
+        manifest = {"format": _FORMAT, "version": 1, "leaves": leaves}
+        tmp = os.path.join(path, f"{MANIFEST}.tmp")
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(manifest, f, indent=1)
+        os.replace(tmp, os.path.join(path, MANIFEST))
+    _files.barrier("arrays")  # the others find the directory and its manifest complete
+
+
 def save(directory: str | os.PathLike[str], state: Any) -> None:
     """Writes `to_saveable(state)` to a new ``directory`` with orbax-checkpoint, and a
     checksum manifest (`MANIFEST`) beside it that `restore` verifies.
+
+    In a job of several processes every process calls it (with the same state);
+    process 0 writes the files, and every process returns once they are complete.
 
     Args:
         directory: where to write; must not exist yet.
         state: a pytree of arrays, variables and distributed values.
     """
-    path = os.path.abspath(directory)
-    saveable = to_saveable(state)
-    hashing = _Hashing(_indexed("jaxdist.checkpoint.save", saveable))  # while orbax writes
-    try:
-        ckpt = _checkpointer()
-        try:
-            ckpt.save(path, saveable)
-            ckpt.wait_until_finished()
-        finally:
-            ckpt.close()
-    finally:
-        entries = hashing.result()
-    leaves = [{"path": list(p), **e} for p, e in entries.items()]
-    manifest = {"format": _FORMAT, "version": 1, "leaves": leaves}
-    # Every process holds the whole host state, so each writes the same manifest (atomically,
-    # through its own temporary file): one that restores right after its save finds it there
-    # without waiting for another process.
-    tmp = os.path.join(path, f"{MANIFEST}.{jax.process_index()}.tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(manifest, f, indent=1)
-    os.replace(tmp, os.path.join(path, MANIFEST))
+    write_saveable(os.path.abspath(directory), to_saveable(state))
 
 
 def manifest_leaves(where: str, tree: Any) -> list[dict[str, Any]]:

@@ -19,6 +19,7 @@ the checkpoint's name.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -29,7 +30,7 @@ import numpy as np
 
 from jaxdist.checkpoint import _arrays, _files, _items
 
-__all__ = ["Checkpoint"]
+__all__ = ["Checkpoint", "Snapshot"]
 
 META = "jaxdist_checkpoint.json"
 _FORMAT = "jaxdist-checkpoint"
@@ -159,9 +160,16 @@ class Checkpoint:
         Returns:
             The absolute path written.
         """
-        where = "jaxdist.checkpoint.Checkpoint.write"
-        final = os.path.abspath(os.fspath(path))
-        # Everything that can fail on the items' side fails before anything is written.
+        return self._snapshot("jaxdist.checkpoint.Checkpoint.write").write(path)
+
+    def _snapshot(self, where: str, *, own_memory: bool = False) -> Snapshot:
+        """The items' values now, on the host, ready to be written (private to jaxdist).
+
+        Everything that can fail on the items' side fails here, before anything is
+        written. ``own_memory``: the arrays are copies of their own (`_arrays.host_copy`),
+        so the items may change, and their device buffers be donated, while the snapshot
+        is written (an asynchronous save); otherwise they may be views of the items.
+        """
         kinds = {name: _items.kind_of(item) for name, item in self._items.items()}
         trees, positions = {}, {}
         for name, item in self._items.items():
@@ -170,30 +178,8 @@ class Checkpoint:
             else:
                 trees[name] = _plain(where, _items.tree_of(item, kinds[name]))
         arrays = {"save_counter": np.int64(self._save_counter), "items": trees}
-        tmp = f"{final}.tmp"
-        if _files.is_primary():
-            os.makedirs(os.path.dirname(final), exist_ok=True)
-            for stale in _leftovers(final):
-                _files.remove_tree(stale)
-        _files.barrier("prepared")
-        _arrays.save(tmp, arrays)
-        me = jax.process_index()
-        if positions:
-            body = {"format": _ITERATOR_FORMAT, "process": me, "iterators": positions}
-            _files.write_json(os.path.join(tmp, iterator_file(me)), body, durable=False)
-        if _files.is_primary():
-            meta = {
-                "format": _FORMAT,
-                "version": 1,
-                "items": kinds,
-                "num_processes": jax.process_count(),
-            }
-            _files.write_json(os.path.join(tmp, META), meta, durable=False)
-        _files.barrier("written")
-        if _files.is_primary():
-            _files.publish(tmp, final)
-        _files.barrier("published")
-        return final
+        host = _arrays.host_copy(arrays) if own_memory else _arrays.to_saveable(arrays)
+        return Snapshot(kinds=kinds, arrays=host, positions=positions)
 
     # Restoring --------------------------------------------------------------------------
 
@@ -253,6 +239,53 @@ class Checkpoint:
             self._items[name] = _items.put_back(self._items[name], kinds[name], tree)
         if counter:
             object.__setattr__(self, "_save_counter", int(restored["save_counter"]))
+
+
+@dataclasses.dataclass(frozen=True)
+class Snapshot:
+    """A `Checkpoint`'s items taken on the host (`Checkpoint._snapshot`), written by `write`.
+
+    Writing runs no JAX computation and no XLA collective (only file operations and
+    barriers of the ``jax.distributed`` coordination service), so it may run in a
+    background thread while training steps run.
+    """
+
+    kinds: dict[str, str]
+    arrays: Any  # {"save_counter": ..., "items": {name: tree of host arrays}}
+    positions: dict[str, Any]  # this process's iterator positions, by item name
+
+    def write(self, path: str | os.PathLike[str]) -> str:
+        """Writes the directory ``path`` (replacing one there) atomically: under a
+        temporary name, flushed to disk, then renamed. Every process of a job calls it.
+
+        Returns:
+            The absolute path written.
+        """
+        final = os.path.abspath(os.fspath(path))
+        tmp = f"{final}.tmp"
+        if _files.is_primary():
+            os.makedirs(os.path.dirname(final), exist_ok=True)
+            for stale in _leftovers(final):
+                _files.remove_tree(stale)
+        _files.barrier("prepared")
+        _arrays.write_saveable(tmp, self.arrays)  # every process returns once it is there
+        me = jax.process_index()
+        if self.positions:
+            body = {"format": _ITERATOR_FORMAT, "process": me, "iterators": self.positions}
+            _files.write_json(os.path.join(tmp, iterator_file(me)), body, durable=False)
+        if _files.is_primary():
+            meta = {
+                "format": _FORMAT,
+                "version": 1,
+                "items": self.kinds,
+                "num_processes": jax.process_count(),
+            }
+            _files.write_json(os.path.join(tmp, META), meta, durable=False)
+        _files.barrier("written")
+        if _files.is_primary():
+            _files.publish(tmp, final)
+        _files.barrier("published")
+        return final
 
 
 def _leftovers(final: str) -> list[str]:

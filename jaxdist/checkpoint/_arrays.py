@@ -414,6 +414,7 @@ def _writer() -> Any:
         (np.number, th.ScalarHandler()),
         (np.ndarray, th.NumpyHandler(deepcopy_host_arrays=False)),
         (str, th.StringHandler()),
+        (jax.Array, th.ArrayHandler()),  # unused (the leaves are host arrays); orbax wants one
     )
     me = jax.process_index()
     alone = ocp.options.MultiprocessingOptions(primary_host=me, active_processes={me})

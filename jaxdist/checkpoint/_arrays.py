@@ -359,6 +359,13 @@ def _restore_struct(where: str, name: str, s: np.ndarray, t: jax.ShapeDtypeStruc
     return _Put(s.astype(t.dtype, copy=False), sharding)
 
 
+def _placed(saved: _Placed, t: Any) -> Any:
+    """A leaf orbax read into the template's placement (`_direct_sharding`'s cases)."""
+    if isinstance(t, (Mirrored, PerReplica)):
+        return type(t)(saved.array)
+    return saved.array
+
+
 def _restore_tree(where: str, saved: Any, template: Any) -> Any:
     leaves = _indexed(where, saved)
     t_flat, t_def = jax.tree_util.tree_flatten_with_path(template, is_leaf=is_saved_node)
@@ -379,7 +386,9 @@ def _restore_tree(where: str, saved: Any, template: Any) -> Any:
             "the saved entries first (e.g. saved['new'] = saved.pop('old'))."
         )
     out = [
-        _restore_leaf(where, _show(k), _saved_value(leaves[k]), t)
+        _placed(leaves[k], t)
+        if isinstance(leaves[k], _Placed)
+        else _restore_leaf(where, _show(k), _saved_value(leaves[k]), t)
         for k, (_, t) in zip(t_keys, t_flat, strict=True)
     ]
     return jax.tree.unflatten(t_def, _place(out))
@@ -423,9 +432,64 @@ def _orbax() -> Any:
     return ocp
 
 
-def _checkpointer() -> Any:
-    """orbax's reader of a checkpoint directory."""
-    return _orbax().StandardCheckpointer()
+@dataclasses.dataclass(frozen=True)
+class _Placed:
+    """A saved leaf that orbax read straight into its template's placement (`_read`)."""
+
+    array: jax.Array
+
+
+def _direct_sharding(t: Any, saved: Any) -> Any:
+    """The sharding to read a saved array into directly (orbax places it as it reads),
+    or None: only where the template asks for an array of the saved shape and dtype in
+    a placement this process holds whole; other leaves are read to the host first and
+    converted by `_restore_leaf`'s rules."""
+    if isinstance(t, (Mirrored, PerReplica)):
+        t = t.array
+    if isinstance(t, jax.ShapeDtypeStruct):
+        sharding = t.sharding if t.sharding is not None else _mirrored_sharding(get_strategy())
+    elif isinstance(t, jax.Array) and getattr(t, "committed", True):
+        sharding = t.sharding
+    else:
+        return None
+    shape, dtype = getattr(saved, "shape", None), getattr(saved, "dtype", None)
+    if (
+        _is_key(t)
+        or shape is None
+        or dtype is None
+        or tuple(shape) != tuple(t.shape)
+        or np.dtype(dtype) != np.dtype(t.dtype)
+        or not getattr(sharding, "is_fully_addressable", False)
+    ):
+        return None
+    return sharding
+
+
+def _read(path: str, template: Any) -> Any:
+    """The saved tree in ``path``: arrays the template places whole in this process as
+    `_Placed` device arrays (read straight to their devices, as orbax restores its own
+    checkpoints), the other leaves as host arrays."""
+    ocp = _orbax()
+    reader = ocp.PyTreeCheckpointer()
+    try:
+        meta = reader.metadata(path).item_metadata
+        tree = getattr(meta, "tree", meta)
+        targets = {
+            path_tokens(p): t
+            for p, t in jax.tree_util.tree_flatten_with_path(template, is_leaf=is_saved_node)[0]
+        }
+
+        def how(p: Any, m: Any) -> Any:
+            sharding = _direct_sharding(targets.get(path_tokens(p)), m)
+            if sharding is None:
+                return ocp.RestoreArgs(restore_type=np.ndarray)
+            return ocp.ArrayRestoreArgs(sharding=sharding, global_shape=m.shape, dtype=m.dtype)
+
+        restore_args = jax.tree_util.tree_map_with_path(how, tree)
+        saved = reader.restore(path, args=ocp.args.PyTreeRestore(restore_args=restore_args))
+    finally:
+        reader.close()
+    return jax.tree.map(lambda x: _Placed(x) if isinstance(x, jax.Array) else x, saved)
 
 
 def _writer() -> Any:
@@ -472,7 +536,7 @@ def _digest(x: np.ndarray) -> str:
 
 
 def _entry(leaf: Any) -> dict[str, Any]:
-    x = np.asarray(leaf)
+    x = np.asarray(leaf.array if isinstance(leaf, _Placed) else leaf)
     return {"dtype": str(x.dtype), "shape": list(x.shape), "sha256": _digest(x)}
 
 
@@ -641,16 +705,13 @@ def restore(directory: str | os.PathLike[str], template: Any, *, verify: bool = 
     if not os.path.isdir(path):
         raise FileNotFoundError(f"{where}: no checkpoint directory {path}.")
     expected = _read_manifest(where, path) if verify else {}
-    ckpt = _checkpointer()
     try:
-        saved = ckpt.restore(path)
+        saved = _read(path, template)
     except Exception as e:
         raise ValueError(
             f"{where}: orbax could not read the checkpoint in {path} ({type(e).__name__}: "
             f"{e}). It is incomplete or damaged; restore an earlier checkpoint."
         ) from e
-    finally:
-        ckpt.close()
     if not verify:
         return _restore_tree(where, saved, template)
     # The leaves are hashed while they are placed; nothing is returned unless they verify,

@@ -11,7 +11,9 @@ Three levels, each built on the one before:
   functionally), Flax NNX objects (restored in place) and data iterators
   (their position); it writes a whole directory atomically.
 - `CheckpointManager` (``tf.train.CheckpointManager``) numbers checkpoints in
-  one directory, keeps the newest ``max_to_keep``, and restores the latest.
+  one directory, keeps the newest ``max_to_keep``, and restores the latest;
+  with ``enable_async_checkpointing=True`` a save stalls training only for the
+  copy of the arrays to the host and is written in a background thread.
 
 orbax-checkpoint is needed for the files (``pip install 'jaxdist[checkpoint]'``).
 """

@@ -22,6 +22,13 @@ checkpoint whose keys were renamed, or that lacks or adds entries, raises
   or a float into a narrower 16-bit type (cast the checkpoint yourself);
 - a string only into a string, and nothing else into one.
 
+Reading. An array whose template (a committed array, a `jax.ShapeDtypeStruct`,
+a `Mirrored` or `PerReplica` value) asks for the saved shape and dtype in a
+placement this process holds whole is read by orbax straight to its devices,
+as orbax restores its own checkpoints; the other leaves are read to the host
+and converted and placed by the rules above. Either way the bytes are
+verified before anything is returned.
+
 Templates without values. A `jax.ShapeDtypeStruct` leaf of the template
 stands for an array of that shape and dtype: the restored array goes to the
 struct's ``sharding`` when it has one, else where the enclosing scope's
@@ -47,8 +54,9 @@ holds one row per replica and has no rule to re-split, so it restores only
 into a template with the same replica count.
 
 Checksums. `save` writes ``jaxdist_manifest.json`` beside orbax's files: the
-path, dtype, shape and SHA-256 of every saved leaf's bytes. `restore`
-compares what orbax read back against it and raises `ValueError` naming the
+path, dtype, shape and SHA-256 of every saved leaf's bytes (hashed in
+threads while orbax writes them). `restore` compares what orbax read back
+against it and raises `ValueError` naming the
 leaf and the directory on any difference, so a flipped byte in the data
 cannot restore silently. The manifest covers the restored *values*, not
 orbax's files: a changed byte that alters no restored value (padding, or an

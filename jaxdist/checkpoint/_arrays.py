@@ -128,11 +128,18 @@ def _saved_value(x: Any) -> Any:
 
 
 def _owned_value(x: Any) -> np.ndarray:
-    """`_saved_value` in host memory of its own: never a view of a device buffer (which a
-    donating step may reuse) nor of the caller's NumPy array (which it may change)."""
+    """`_saved_value` that nothing can change while it is written.
+
+    The value of a JAX array (or of a variable or distributed value, which hold JAX
+    arrays) is taken as `_saved_value` gives it: a host copy from an accelerator, or
+    on the CPU backend a read-only view of the device buffer, which the view keeps
+    alive (JAX arrays are immutable, and the runtime does not donate a buffer that a
+    host view refers to: a donating step gets a new buffer instead). Any other leaf
+    (a NumPy array the caller may change in place) is copied.
+    """
     value = _saved_value(x)
-    if value.flags.owndata and value is not x:
-        return value  # a fresh host copy already (from an accelerator, or a computation)
+    if isinstance(x, jax.Array) or is_saved_node(x):
+        return value
     return np.array(value, copy=True)
 
 
@@ -145,14 +152,15 @@ def to_saveable(state: Any) -> Any:
     Returns:
         The same structure with NumPy arrays at the leaves. They may share memory
         with the state (on the CPU backend a host array is a view of the device
-        buffer); `host_copy` gives arrays of their own.
+        buffer); `host_copy` gives values that nothing can change.
     """
     return jax.tree.map(_saved_value, state, is_leaf=is_saved_node)
 
 
 def host_copy(state: Any) -> Any:
-    """`to_saveable` with every leaf copied into host memory of its own, so that the state
-    can change (or its buffers be donated) while the copy is written."""
+    """`to_saveable` with values nothing can change (see `_owned_value`): the state may be
+    changed, and its buffers donated, while they are written. The caller stalls for the
+    copies to the host (none on the CPU backend) and of its NumPy leaves."""
     return jax.tree.map(_owned_value, state, is_leaf=is_saved_node)
 
 

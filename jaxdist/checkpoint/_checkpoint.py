@@ -162,13 +162,13 @@ class Checkpoint:
         """
         return self._snapshot("jaxdist.checkpoint.Checkpoint.write").write(path)
 
-    def _snapshot(self, where: str, *, own_memory: bool = False) -> Snapshot:
+    def _snapshot(self, where: str, *, frozen: bool = False) -> Snapshot:
         """The items' values now, on the host, ready to be written (private to jaxdist).
 
         Everything that can fail on the items' side fails here, before anything is
-        written. ``own_memory``: the arrays are copies of their own (`_arrays.host_copy`),
-        so the items may change, and their device buffers be donated, while the snapshot
-        is written (an asynchronous save); otherwise they may be views of the items.
+        written. ``frozen``: nothing can change the arrays (`_arrays.host_copy`), so the
+        items may change, and their device buffers be donated, while the snapshot is
+        written (an asynchronous save); otherwise NumPy items are taken as they are.
         """
         kinds = {name: _items.kind_of(item) for name, item in self._items.items()}
         trees, positions = {}, {}
@@ -178,7 +178,7 @@ class Checkpoint:
             else:
                 trees[name] = _plain(where, _items.tree_of(item, kinds[name]))
         arrays = {"save_counter": np.int64(self._save_counter), "items": trees}
-        host = _arrays.host_copy(arrays) if own_memory else _arrays.to_saveable(arrays)
+        host = _arrays.host_copy(arrays) if frozen else _arrays.to_saveable(arrays)
         return Snapshot(kinds=kinds, arrays=host, positions=positions)
 
     # Restoring --------------------------------------------------------------------------

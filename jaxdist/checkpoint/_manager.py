@@ -237,9 +237,7 @@ class CheckpointManager:
         object.__setattr__(ckpt, "_save_counter", counter)
         number = counter if checkpoint_number is None else _number(checkpoint_number)
         name = f"{self._name}-{number}"
-        snapshot = ckpt._snapshot(
-            "jaxdist.checkpoint.CheckpointManager.save", own_memory=self._async
-        )
+        snapshot = ckpt._snapshot("jaxdist.checkpoint.CheckpointManager.save", frozen=self._async)
         if not self._async:
             return self._write(snapshot, name)
         # Not a daemon: an interpreter that exits normally finishes the write first.

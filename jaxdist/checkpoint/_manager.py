@@ -75,8 +75,9 @@ class CheckpointManager:
     writes the entry while training goes on; the next save, a restore,
     `latest_checkpoint`, `checkpoints` and `wait_until_finished` wait for it (and
     raise its error, if it failed). Call `wait_until_finished` (or `close`)
-    before the program ends with ``os._exit`` or reads the files itself; a normal
-    exit waits for the write.
+    before the program reads the files itself, calls
+    ``jax.distributed.shutdown()`` or ends with ``os._exit``; a normal exit
+    waits for the write.
 
     Example:
         >>> import os, tempfile, jax.numpy as jnp, jaxdist as jd

@@ -576,7 +576,7 @@ def test_arrays_placed_whole_are_read_to_their_devices_and_verified(
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    from jaxdist.checkpoint import _arrays
+    from jaxdist.checkpoint import _arrays, _storage
 
     mesh = mirrored8.mesh
     axis = mesh.axis_names[0]
@@ -601,8 +601,8 @@ def test_arrays_placed_whole_are_read_to_their_devices_and_verified(
     ckpt.rows = jax.ShapeDtypeStruct((8, 5), jnp.float32, sharding=split)
     ckpt.count = jax.device_put(np.zeros(6, np.float32), replicated)
     template = {"save_counter": 0, "items": {"w": ckpt.w, "rows": ckpt.rows, "count": ckpt.count}}
-    saved = _arrays._read(path, template)["items"]
-    assert isinstance(saved["w"], _arrays._Placed) and isinstance(saved["rows"], _arrays._Placed)
+    saved = _storage._read(path, template)["items"]
+    assert isinstance(saved["w"], _arrays.Placed) and isinstance(saved["rows"], _arrays.Placed)
     assert isinstance(saved["count"], np.ndarray)
     manager.restore_or_initialize()
     assert ckpt.w.sharding == replicated and ckpt.rows.sharding == split

@@ -28,7 +28,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxdist.checkpoint import _arrays, _files, _items
+from jaxdist.checkpoint import _arrays, _files, _items, _storage
 
 __all__ = ["Checkpoint", "Snapshot"]
 
@@ -226,7 +226,7 @@ class Checkpoint:
                 if kinds[n] != _items.ITERATOR
             },
         }
-        restored = _arrays.restore(path, template)  # verified; nothing is changed yet
+        restored = _storage.restore(path, template)  # verified; nothing is changed yet
         for name, kind in kinds.items():
             if kind == _items.ITERATOR:
                 if name not in positions:
@@ -268,7 +268,7 @@ class Snapshot:
             for stale in _leftovers(final):
                 _files.remove_tree(stale)
         _files.barrier("prepared")
-        _arrays.write_saveable(tmp, self.arrays)  # every process returns once it is there
+        _storage.write_saveable(tmp, self.arrays)  # every process returns once it is there
         me = jax.process_index()
         if self.positions:
             body = {"format": _ITERATOR_FORMAT, "process": me, "iterators": self.positions}

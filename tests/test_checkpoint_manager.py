@@ -567,3 +567,59 @@ def _variables_1d(strategy: jd.Strategy) -> dict[str, jd.Variable]:
             "w": jd.Variable(jnp.zeros(3), aggregation="mean"),
             "count": jd.Variable(0, synchronization="on_read", aggregation="sum"),
         }
+
+
+@ORBAX_CLOSED_LOOP
+def test_arrays_placed_whole_are_read_to_their_devices_and_verified(
+    tmp_path: Path, mirrored8: jd.MirroredStrategy
+) -> None:
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from jaxdist.checkpoint import _arrays, _storage
+
+    mesh = mirrored8.mesh
+    axis = mesh.axis_names[0]
+    replicated, split = NamedSharding(mesh, P()), NamedSharding(mesh, P(axis))
+    rng = np.random.default_rng(0)
+    values = {
+        "w": rng.normal(size=(256, 64)).astype(np.float32),
+        "rows": rng.normal(size=(8, 5)).astype(np.float32),
+        "count": np.arange(6, dtype=np.int32),
+    }
+    ckpt = jd.checkpoint.Checkpoint(
+        w=jax.device_put(values["w"], replicated),
+        rows=jax.device_put(values["rows"], split),
+        count=jnp.asarray(values["count"]),
+    )
+    manager = jd.checkpoint.CheckpointManager(ckpt, tmp_path)
+    path = manager.save()
+    # Templates placed whole in this process, of the saved shape and dtype, are read straight
+    # to their devices; an int32 saved into a float32 template goes through the host (and
+    # the conversion rules).
+    ckpt.w = jax.device_put(np.zeros((256, 64), np.float32), replicated)
+    ckpt.rows = jax.ShapeDtypeStruct((8, 5), jnp.float32, sharding=split)
+    ckpt.count = jax.device_put(np.zeros(6, np.float32), replicated)
+    template = {"save_counter": 0, "items": {"w": ckpt.w, "rows": ckpt.rows, "count": ckpt.count}}
+    saved = _storage._read(path, template)["items"]
+    assert isinstance(saved["w"], _arrays.Placed) and isinstance(saved["rows"], _arrays.Placed)
+    assert isinstance(saved["count"], np.ndarray)
+    manager.restore_or_initialize()
+    assert ckpt.w.sharding == replicated and ckpt.rows.sharding == split
+    assert ckpt.count.sharding == replicated and ckpt.count.dtype == jnp.float32
+    np.testing.assert_array_equal(np.asarray(ckpt.w), values["w"])  # bitwise
+    np.testing.assert_array_equal(np.asarray(ckpt.rows), values["rows"])
+    np.testing.assert_array_equal(np.asarray(ckpt.count), values["count"].astype(np.float32))
+    # A flipped bit in a leaf read to the devices fails verification, naming it.
+    data = _big_file(Path(path))
+    raw = bytearray(data.read_bytes())
+    raw[len(raw) // 2] ^= 0x10
+    data.write_bytes(bytes(raw))
+    ckpt.w = jax.device_put(np.zeros((256, 64), np.float32), replicated)
+    with pytest.raises(
+        ValueError,
+        match=r"restore: leaf \['items'\]\['w'\] of the checkpoint in .*ckpt-1 does not match "
+        r"its manifest: sha256 is [0-9a-f]{64} but [0-9a-f]{64} was saved",
+    ):
+        manager.restore_or_initialize()
+    assert not np.asarray(ckpt.w).any()  # nothing was changed

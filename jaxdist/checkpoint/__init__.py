@@ -11,27 +11,24 @@ Three levels, each built on the one before:
   functionally), Flax NNX objects (restored in place) and data iterators
   (their position); it writes a whole directory atomically.
 - `CheckpointManager` (``tf.train.CheckpointManager``) numbers checkpoints in
-  one directory, keeps the newest ``max_to_keep``, and restores the latest.
+  one directory, keeps the newest ``max_to_keep``, and restores the latest;
+  with ``enable_async_checkpointing=True`` a save stalls training only for the
+  copy of the arrays to the host and is written in a background thread.
 
 orbax-checkpoint is needed for the files (``pip install 'jaxdist[checkpoint]'``).
 """
 
-from jaxdist.checkpoint._arrays import (
-    MANIFEST,
-    from_saveable,
-    restore,
-    save,
-    to_saveable,
-)
+from jaxdist.checkpoint._arrays import from_saveable, to_saveable
 
 # Private helpers of jaxdist.training (the manifest's record and check of a host tree, and
 # the path names leaves are matched by), re-exported from here as before.
 from jaxdist.checkpoint._arrays import is_saved_node as is_saved_node
-from jaxdist.checkpoint._arrays import manifest_leaves as manifest_leaves
 from jaxdist.checkpoint._arrays import path_tokens as path_tokens
-from jaxdist.checkpoint._arrays import verify_leaves as verify_leaves
 from jaxdist.checkpoint._checkpoint import Checkpoint
 from jaxdist.checkpoint._manager import CheckpointManager
+from jaxdist.checkpoint._storage import MANIFEST, restore, save
+from jaxdist.checkpoint._storage import manifest_leaves as manifest_leaves
+from jaxdist.checkpoint._storage import verify_leaves as verify_leaves
 
 __all__ = [
     "MANIFEST",

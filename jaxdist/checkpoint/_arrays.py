@@ -22,6 +22,13 @@ checkpoint whose keys were renamed, or that lacks or adds entries, raises
   or a float into a narrower 16-bit type (cast the checkpoint yourself);
 - a string only into a string, and nothing else into one.
 
+Reading. An array whose template (a committed array, a `jax.ShapeDtypeStruct`,
+a `Mirrored` or `PerReplica` value) asks for the saved shape and dtype in a
+placement this process holds whole is read by orbax straight to its devices,
+as orbax restores its own checkpoints; the other leaves are read to the host
+and converted and placed by the rules above. Either way the bytes are
+verified before anything is returned.
+
 Templates without values. A `jax.ShapeDtypeStruct` leaf of the template
 stands for an array of that shape and dtype: the restored array goes to the
 struct's ``sharding`` when it has one, else where the enclosing scope's
@@ -47,8 +54,9 @@ holds one row per replica and has no rule to re-split, so it restores only
 into a template with the same replica count.
 
 Checksums. `save` writes ``jaxdist_manifest.json`` beside orbax's files: the
-path, dtype, shape and SHA-256 of every saved leaf's bytes. `restore`
-compares what orbax read back against it and raises `ValueError` naming the
+path, dtype, shape and SHA-256 of every saved leaf's bytes (hashed in
+threads while orbax writes them). `restore` compares what orbax read back
+against it and raises `ValueError` naming the
 leaf and the directory on any difference, so a flipped byte in the data
 cannot restore silently. The manifest covers the restored *values*, not
 orbax's files: a changed byte that alters no restored value (padding, or an
@@ -68,11 +76,8 @@ Example:
 
 from __future__ import annotations
 
-import concurrent.futures
-import hashlib
-import json
-import os
-from collections.abc import Sequence
+import dataclasses
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -81,18 +86,12 @@ import numpy as np
 
 from jaxdist._dtypes import lossy_cast, numeric
 from jaxdist._scope import get_strategy
-from jaxdist.checkpoint._finite import refuse_nonfinite
 from jaxdist.values import DistributedValues, Mirrored, PerReplica
 from jaxdist.variables import ShardedVariable, Variable
 from jaxdist.variables._meta import _mirrored_sharding
 
-__all__ = ["MANIFEST", "from_saveable", "restore", "save", "to_saveable"]
+__all__ = ["Placed", "from_saveable", "host_copy", "to_saveable"]
 
-MANIFEST = "jaxdist_manifest.json"
-"""The name of the checksum manifest `save` writes into a checkpoint directory."""
-
-_FORMAT = "jaxdist-checkpoint-manifest"
-_HASH_THREADS = 4  # leaves hashed at once (SHA-256 runs at about 1 GB/s a core)
 _LIST_AT_MOST = 5
 
 
@@ -118,6 +117,22 @@ def _saved_value(x: Any) -> Any:
     return np.asarray(x)
 
 
+def _owned_value(x: Any) -> np.ndarray:
+    """`_saved_value` that nothing can change while it is written.
+
+    The value of a JAX array (or of a variable or distributed value, which hold JAX
+    arrays) is taken as `_saved_value` gives it: a host copy from an accelerator, or
+    on the CPU backend a read-only view of the device buffer, which the view keeps
+    alive (JAX arrays are immutable, and the runtime does not donate a buffer that a
+    host view refers to: a donating step gets a new buffer instead). Any other leaf
+    (a NumPy array the caller may change in place) is copied.
+    """
+    value = _saved_value(x)
+    if isinstance(x, jax.Array) or is_saved_node(x):
+        return value
+    return np.array(value, copy=True)
+
+
 def to_saveable(state: Any) -> Any:
     """The pytree ``state`` with every leaf as a host NumPy array, variables aggregated.
 
@@ -125,9 +140,18 @@ def to_saveable(state: Any) -> Any:
         state: a pytree of arrays, `Variable` and `DistributedValues` leaves.
 
     Returns:
-        The same structure with NumPy arrays at the leaves.
+        The same structure with NumPy arrays at the leaves. They may share memory
+        with the state (on the CPU backend a host array is a view of the device
+        buffer); `host_copy` gives values that nothing can change.
     """
     return jax.tree.map(_saved_value, state, is_leaf=is_saved_node)
+
+
+def host_copy(state: Any) -> Any:
+    """`to_saveable` with values nothing can change (see `_owned_value`): the state may be
+    changed, and its buffers donated, while they are written. The caller stalls for the
+    copies to the host (none on the CPU backend) and of its NumPy leaves."""
+    return jax.tree.map(_owned_value, state, is_leaf=is_saved_node)
 
 
 # Paths ------------------------------------------------------------------------------
@@ -254,15 +278,19 @@ def _restore_leaf(where: str, name: str, saved: Any, t: Any) -> Any:
                 "an aggregate (strategy.reduce)."
             )
         _check_leaf(where, name, s, t.shape, t.dtype, "the template's PerReplica")
-        return PerReplica(jax.device_put(s.astype(t.dtype, copy=False), t.array.sharding))
+        return _Put(s.astype(t.dtype, copy=False), t.array.sharding, PerReplica)
     if isinstance(t, Mirrored):
         _check_leaf(where, name, s, t.shape, t.dtype, "the template's Mirrored value")
-        return Mirrored(jax.device_put(s.astype(t.dtype, copy=False), t.array.sharding))
+        return _Put(s.astype(t.dtype, copy=False), t.array.sharding, Mirrored)
     if isinstance(t, jax.Array) and _is_key(t):
         data = jax.random.key_data(t)
         _check_leaf(where, name, s, data.shape, data.dtype, "the template's random key data")
-        placed = _put_like(s.astype(data.dtype, copy=False), data)
-        return jax.random.wrap_key_data(placed, impl=jax.random.key_impl(t))
+        impl = jax.random.key_impl(t)
+        return _put_like(
+            s.astype(data.dtype, copy=False),
+            data,
+            lambda placed: jax.random.wrap_key_data(placed, impl=impl),
+        )
     if isinstance(t, jax.Array):
         _check_leaf(where, name, s, t.shape, t.dtype, "the template's array")
         return _put_like(s.astype(t.dtype, copy=False), t)
@@ -285,11 +313,50 @@ def _restore_leaf(where: str, name: str, saved: Any, t: Any) -> Any:
     return saved  # not an array or a string: kept as saved
 
 
-def _put_like(x: np.ndarray, template: jax.Array) -> jax.Array:
-    """``x`` placed like ``template``: on its sharding, or uncommitted like it."""
-    if getattr(template, "committed", True):
-        return jax.device_put(x, template.sharding)
-    return jax.device_put(x)
+@dataclasses.dataclass(frozen=True)
+class Placed:
+    """A saved leaf that orbax read straight into its template's placement (see
+    `jaxdist.checkpoint._storage`); `from_saveable`'s rules pass it through."""
+
+    array: jax.Array
+
+
+@dataclasses.dataclass(frozen=True)
+class _Put:
+    """A host array to place on ``sharding`` (None: uncommitted), then pass to ``finish``;
+    `_restore_tree` places all of them in one batched transfer."""
+
+    value: np.ndarray
+    sharding: Any
+    finish: Callable[[jax.Array], Any] | None = None
+
+
+def _put_like(
+    x: np.ndarray, template: jax.Array, finish: Callable[[jax.Array], Any] | None = None
+) -> _Put:
+    """``x`` to be placed like ``template``: on its sharding, or uncommitted like it."""
+    sharding = template.sharding if getattr(template, "committed", True) else None
+    return _Put(x, sharding, finish)
+
+
+def _place(values: list[Any]) -> list[Any]:
+    """``values`` with every `_Put` placed: those with a sharding in one batched
+    ``jax.device_put`` (faster than one call per leaf), the uncommitted ones alone."""
+    puts = [i for i, v in enumerate(values) if isinstance(v, _Put) and v.sharding is not None]
+    placed = dict(
+        zip(
+            puts,
+            jax.device_put([values[i].value for i in puts], [values[i].sharding for i in puts]),
+            strict=True,
+        )
+    )
+    out = []
+    for i, v in enumerate(values):
+        if isinstance(v, _Put):
+            x = placed[i] if i in placed else jax.device_put(v.value)
+            v = x if v.finish is None else v.finish(x)
+        out.append(v)
+    return out
 
 
 def _restore_struct(where: str, name: str, s: np.ndarray, t: jax.ShapeDtypeStruct) -> Any:
@@ -303,7 +370,14 @@ def _restore_struct(where: str, name: str, s: np.ndarray, t: jax.ShapeDtypeStruc
         )
     _check_leaf(where, name, s, t.shape, t.dtype, "the template's jax.ShapeDtypeStruct")
     sharding = t.sharding if t.sharding is not None else _mirrored_sharding(get_strategy())
-    return jax.device_put(s.astype(t.dtype, copy=False), sharding)
+    return _Put(s.astype(t.dtype, copy=False), sharding)
+
+
+def _placed(saved: Placed, t: Any) -> Any:
+    """A leaf orbax read into the template's placement (`_direct_sharding`'s cases)."""
+    if isinstance(t, (Mirrored, PerReplica)):
+        return type(t)(saved.array)
+    return saved.array
 
 
 def _restore_tree(where: str, saved: Any, template: Any) -> Any:
@@ -326,10 +400,12 @@ def _restore_tree(where: str, saved: Any, template: Any) -> Any:
             "the saved entries first (e.g. saved['new'] = saved.pop('old'))."
         )
     out = [
-        _restore_leaf(where, _show(k), _saved_value(leaves[k]), t)
+        _placed(leaves[k], t)
+        if isinstance(leaves[k], Placed)
+        else _restore_leaf(where, _show(k), _saved_value(leaves[k]), t)
         for k, (_, t) in zip(t_keys, t_flat, strict=True)
     ]
-    return jax.tree.unflatten(t_def, out)
+    return jax.tree.unflatten(t_def, _place(out))
 
 
 def from_saveable(saved: Any, template: Any) -> Any:
@@ -353,224 +429,3 @@ def from_saveable(saved: Any, template: Any) -> Any:
             replica count (see the module docstring).
     """
     return _restore_tree("jaxdist.checkpoint.from_saveable", saved, template)
-
-
-# Files ------------------------------------------------------------------------------
-
-
-def _checkpointer() -> Any:
-    try:
-        import orbax.checkpoint as ocp
-    except ImportError as e:  # pragma: no cover - exercised only without the extra
-        raise ImportError(
-            "jaxdist.checkpoint.save/restore need orbax-checkpoint: "
-            "pip install 'jaxdist[checkpoint]' (or use to_saveable/from_saveable with your "
-            "own storage)."
-        ) from e
-    return ocp.StandardCheckpointer()
-
-
-def _digest(x: np.ndarray) -> str:
-    """SHA-256 of the array's bytes in C order (hashed in place: no copy of a contiguous
-    array; hashlib releases the GIL, so several leaves hash in parallel threads)."""
-    flat = np.ascontiguousarray(x).reshape(-1)
-    try:
-        data: Any = flat.view(np.uint8)
-    except (TypeError, ValueError):  # a dtype without a fixed byte layout
-        data = flat.tobytes()
-    return hashlib.sha256(data).hexdigest()
-
-
-def _entry(leaf: Any) -> dict[str, Any]:
-    x = np.asarray(leaf)
-    return {"dtype": str(x.dtype), "shape": list(x.shape), "sha256": _digest(x)}
-
-
-def _entries(where: str, tree: Any) -> dict[tuple[str, ...], dict[str, Any]]:
-    """Dtype, shape and checksum of every leaf of a saved tree, by path."""
-    return {path: _entry(leaf) for path, leaf in _indexed(where, tree).items()}
-
-
-class _Hashing:
-    """`_entries` computed in background threads while the caller writes or places the
-    same (read-only) arrays."""
-
-    def __init__(self, leaves: dict[tuple[str, ...], Any]) -> None:
-        self._pool = concurrent.futures.ThreadPoolExecutor(
-            max_workers=max(1, min(_HASH_THREADS, len(leaves))),
-            thread_name_prefix="jaxdist-checkpoint-sha256",
-        )
-        self._futures = {path: self._pool.submit(_entry, leaf) for path, leaf in leaves.items()}
-
-    def result(self) -> dict[tuple[str, ...], dict[str, Any]]:
-        try:
-            return {path: f.result() for path, f in self._futures.items()}
-        finally:
-            self._pool.shutdown(wait=True, cancel_futures=True)
-
-
-def save(
-    directory: str | os.PathLike[str],
-    state: Any,
-    *,
-    allow_nonfinite: bool = False,
-    where: str = "jaxdist.checkpoint.save",
-) -> None:
-    """Writes `to_saveable(state)` to a new ``directory`` with orbax-checkpoint, and a
-    checksum manifest (`MANIFEST`) beside it that `restore` verifies.
-
-    Args:
-        directory: where to write; must not exist yet.
-        state: a pytree of arrays, variables and distributed values.
-        allow_nonfinite: save a state holding NaN or infinite values; by
-            default that raises ``ValueError`` and nothing is written.
-        where: the name errors give (private: for `Checkpoint`).
-    """
-    path = os.path.abspath(directory)
-    saveable = to_saveable(state)
-    if not allow_nonfinite:
-        refuse_nonfinite(where, saveable)
-    hashing = _Hashing(_indexed("jaxdist.checkpoint.save", saveable))  # while orbax writes
-    try:
-        ckpt = _checkpointer()
-        try:
-            ckpt.save(path, saveable)
-            ckpt.wait_until_finished()
-        finally:
-            ckpt.close()
-    finally:
-        entries = hashing.result()
-    leaves = [{"path": list(p), **e} for p, e in entries.items()]
-    manifest = {"format": _FORMAT, "version": 1, "leaves": leaves}
-    # Every process holds the whole host state, so each writes the same manifest (atomically,
-    # through its own temporary file): one that restores right after its save finds it there
-    # without waiting for another process.
-    tmp = os.path.join(path, f"{MANIFEST}.{jax.process_index()}.tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(manifest, f, indent=1)
-    os.replace(tmp, os.path.join(path, MANIFEST))
-
-
-def manifest_leaves(where: str, tree: Any) -> list[dict[str, Any]]:
-    """The manifest's record of a saved tree: path, dtype, shape and SHA-256 of each leaf."""
-    return [{"path": list(p), **e} for p, e in _entries(where, tree).items()]
-
-
-def _parse_leaves(leaves: Any) -> dict[tuple[str, ...], dict[str, Any]]:
-    """`manifest_leaves` as read back from JSON (KeyError/TypeError when damaged)."""
-    out = {}
-    for e in leaves:
-        out[tuple(str(t) for t in e["path"])] = {
-            "dtype": str(e["dtype"]),
-            "shape": [int(d) for d in e["shape"]],
-            "sha256": str(e["sha256"]),
-        }
-    return out
-
-
-_SKIP = "pass verify=False to restore without checking (at your own risk)"
-
-
-def _read_manifest(where: str, path: str) -> dict[tuple[str, ...], dict[str, Any]]:
-    file = os.path.join(path, MANIFEST)
-    if not os.path.exists(file):
-        raise ValueError(
-            f"{where}: {path} has no checksum manifest {MANIFEST}: the save did not finish, "
-            f"or the checkpoint was not written by jaxdist.checkpoint.save. Restore an earlier "
-            f"checkpoint, or {_SKIP}."
-        )
-    try:
-        with open(file, encoding="utf-8") as f:
-            manifest = json.load(f)
-        if manifest.get("format") != _FORMAT:
-            raise ValueError(f"format is {manifest.get('format')!r}, not {_FORMAT!r}")
-        return _parse_leaves(manifest["leaves"])
-    except (ValueError, KeyError, TypeError, AttributeError) as e:
-        raise _damaged(where, f"the checksum manifest {file}", path, e) from None
-
-
-def _damaged(where: str, record: str, path: str, error: Exception) -> ValueError:
-    return ValueError(
-        f"{where}: {record} is damaged ({type(error).__name__}: {error}), so the checkpoint "
-        f"in {path} cannot be verified. Restore an earlier checkpoint, or {_SKIP}."
-    )
-
-
-def verify_leaves(where: str, path: str, leaves: Any, restored: Any) -> None:
-    """Checks a restored tree against its `manifest_leaves` record (``leaves``, as read
-    back from JSON); raises ValueError naming the first leaf that differs."""
-    try:
-        expected = _parse_leaves(leaves)
-    except (KeyError, TypeError, AttributeError, ValueError) as e:
-        raise _damaged(where, "the checksum record in its metadata", path, e) from None
-    _compare(where, path, expected, _entries(where, restored))
-
-
-def _compare(
-    where: str,
-    path: str,
-    expected: dict[tuple[str, ...], dict[str, Any]],
-    found: dict[tuple[str, ...], dict[str, Any]],
-) -> None:
-    fix = "Restore an earlier checkpoint; this one was changed or damaged after it was written."
-    if set(found) != set(expected):
-        extra = sorted(set(found) - set(expected))
-        lost = sorted(set(expected) - set(found))
-        raise ValueError(
-            f"{where}: the checkpoint in {path} does not hold the leaves its manifest lists: "
-            f"unlisted {_listed(extra) or 'none'}; missing {_listed(lost) or 'none'}. {fix}"
-        )
-    for key, want in expected.items():
-        got = found[key]
-        for field in ("dtype", "shape", "sha256"):
-            if got[field] != want[field]:
-                raise ValueError(
-                    f"{where}: leaf {_show(key)} of the checkpoint in {path} does not match its "
-                    f"manifest: {field} is {got[field]} but {want[field]} was saved. {fix}"
-                )
-
-
-def restore(directory: str | os.PathLike[str], template: Any, *, verify: bool = True) -> Any:
-    """Reads ``directory`` (written by `save`) into the placement of ``template``.
-
-    Args:
-        directory: a checkpoint written by `save`.
-        template: as for `from_saveable`.
-        verify: check every leaf against the checksum manifest (nothing is
-            returned unless every leaf matches).
-
-    Returns:
-        ``template`` with the saved values.
-
-    Raises:
-        ValueError: the data does not match its manifest (or the manifest is
-            missing or damaged), orbax cannot read it, or it does not fit the
-            template (as in `from_saveable`).
-    """
-    where = "jaxdist.checkpoint.restore"
-    path = os.path.abspath(directory)
-    if not os.path.isdir(path):
-        raise FileNotFoundError(f"{where}: no checkpoint directory {path}.")
-    expected = _read_manifest(where, path) if verify else {}
-    ckpt = _checkpointer()
-    try:
-        saved = ckpt.restore(path)
-    except Exception as e:
-        raise ValueError(
-            f"{where}: orbax could not read the checkpoint in {path} ({type(e).__name__}: "
-            f"{e}). It is incomplete or damaged; restore an earlier checkpoint."
-        ) from e
-    finally:
-        ckpt.close()
-    if not verify:
-        return _restore_tree(where, saved, template)
-    # The leaves are hashed while they are placed; nothing is returned unless they verify,
-    # and a damaged checkpoint is reported before a template that does not fit it.
-    hashing = _Hashing(_indexed(where, saved))
-    try:
-        restored = _restore_tree(where, saved, template)
-    except ValueError:
-        _compare(where, path, expected, hashing.result())
-        raise
-    _compare(where, path, expected, hashing.result())
-    return restored

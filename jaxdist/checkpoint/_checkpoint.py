@@ -19,6 +19,7 @@ the checkpoint's name.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -27,9 +28,10 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxdist.checkpoint import _arrays, _files, _items
+from jaxdist.checkpoint import _arrays, _files, _items, _storage
+from jaxdist.checkpoint._finite import refuse_nonfinite
 
-__all__ = ["Checkpoint"]
+__all__ = ["Checkpoint", "Snapshot"]
 
 META = "jaxdist_checkpoint.json"
 _FORMAT = "jaxdist-checkpoint"
@@ -146,28 +148,45 @@ class Checkpoint:
     def save(self, file_prefix: str | os.PathLike[str], *, allow_nonfinite: bool = False) -> str:
         """Increments `save_counter` and writes the checkpoint to ``<file_prefix>-<count>``.
 
-        A state holding NaN or infinite values is refused (``ValueError``)
-        unless ``allow_nonfinite=True``.
+        A state holding NaN or infinite values is refused (``ValueError``, and
+        `save_counter` is left as it was) unless ``allow_nonfinite=True``.
 
         Returns:
             The path of the checkpoint directory written.
         """
-        object.__setattr__(self, "_save_counter", self._save_counter + 1)
-        path = f"{os.fspath(file_prefix)}-{self._save_counter}"
-        return self.write(path, allow_nonfinite=allow_nonfinite)
+        count = self._save_counter
+        object.__setattr__(self, "_save_counter", count + 1)
+        try:
+            snapshot = self._snapshot(
+                "jaxdist.checkpoint.Checkpoint.save", allow_nonfinite=allow_nonfinite
+            )
+        except BaseException:
+            object.__setattr__(self, "_save_counter", count)
+            raise
+        return snapshot.write(f"{os.fspath(file_prefix)}-{self._save_counter}")
 
     def write(self, path: str | os.PathLike[str], *, allow_nonfinite: bool = False) -> str:
         """Writes the checkpoint to the directory ``path`` (replacing one there), without
         counting it. Every process of a job calls it. A state holding NaN or
-        infinite values raises ``ValueError`` (nothing is published) unless
+        infinite values raises ``ValueError`` (nothing is written) unless
         ``allow_nonfinite=True``.
 
         Returns:
             The absolute path written.
         """
         where = "jaxdist.checkpoint.Checkpoint.write"
-        final = os.path.abspath(os.fspath(path))
-        # Everything that can fail on the items' side fails before anything is written.
+        return self._snapshot(where, allow_nonfinite=allow_nonfinite).write(path)
+
+    def _snapshot(
+        self, where: str, *, frozen: bool = False, allow_nonfinite: bool = False
+    ) -> Snapshot:
+        """The items' values now, on the host, ready to be written (private to jaxdist).
+
+        Everything that can fail on the items' side fails here, before anything is
+        written. ``frozen``: nothing can change the arrays (`_arrays.host_copy`), so the
+        items may change, and their device buffers be donated, while the snapshot is
+        written (an asynchronous save); otherwise NumPy items are taken as they are.
+        """
         kinds = {name: _items.kind_of(item) for name, item in self._items.items()}
         trees, positions = {}, {}
         for name, item in self._items.items():
@@ -176,30 +195,10 @@ class Checkpoint:
             else:
                 trees[name] = _plain(where, _items.tree_of(item, kinds[name]))
         arrays = {"save_counter": np.int64(self._save_counter), "items": trees}
-        tmp = f"{final}.tmp"
-        if _files.is_primary():
-            os.makedirs(os.path.dirname(final), exist_ok=True)
-            for stale in _leftovers(final):
-                _files.remove_tree(stale)
-        _files.barrier("prepared")
-        _arrays.save(tmp, arrays, allow_nonfinite=allow_nonfinite, where=where)
-        me = jax.process_index()
-        if positions:
-            body = {"format": _ITERATOR_FORMAT, "process": me, "iterators": positions}
-            _files.write_json(os.path.join(tmp, iterator_file(me)), body, durable=False)
-        if _files.is_primary():
-            meta = {
-                "format": _FORMAT,
-                "version": 1,
-                "items": kinds,
-                "num_processes": jax.process_count(),
-            }
-            _files.write_json(os.path.join(tmp, META), meta, durable=False)
-        _files.barrier("written")
-        if _files.is_primary():
-            _files.publish(tmp, final)
-        _files.barrier("published")
-        return final
+        host = _arrays.host_copy(arrays) if frozen else _arrays.to_saveable(arrays)
+        if not allow_nonfinite:
+            refuse_nonfinite(where, host["items"])
+        return Snapshot(kinds=kinds, arrays=host, positions=positions)
 
     # Restoring --------------------------------------------------------------------------
 
@@ -246,7 +245,7 @@ class Checkpoint:
                 if kinds[n] != _items.ITERATOR
             },
         }
-        restored = _arrays.restore(path, template)  # verified; nothing is changed yet
+        restored = _storage.restore(path, template)  # verified; nothing is changed yet
         for name, kind in kinds.items():
             if kind == _items.ITERATOR:
                 if name not in positions:
@@ -259,6 +258,53 @@ class Checkpoint:
             self._items[name] = _items.put_back(self._items[name], kinds[name], tree)
         if counter:
             object.__setattr__(self, "_save_counter", int(restored["save_counter"]))
+
+
+@dataclasses.dataclass(frozen=True)
+class Snapshot:
+    """A `Checkpoint`'s items taken on the host (`Checkpoint._snapshot`), written by `write`.
+
+    Writing runs no JAX computation and no XLA collective (only file operations and
+    barriers of the ``jax.distributed`` coordination service), so it may run in a
+    background thread while training steps run.
+    """
+
+    kinds: dict[str, str]
+    arrays: Any  # {"save_counter": ..., "items": {name: tree of host arrays}}
+    positions: dict[str, Any]  # this process's iterator positions, by item name
+
+    def write(self, path: str | os.PathLike[str]) -> str:
+        """Writes the directory ``path`` (replacing one there) atomically: under a
+        temporary name, flushed to disk, then renamed. Every process of a job calls it.
+
+        Returns:
+            The absolute path written.
+        """
+        final = os.path.abspath(os.fspath(path))
+        tmp = f"{final}.tmp"
+        if _files.is_primary():
+            os.makedirs(os.path.dirname(final), exist_ok=True)
+            for stale in _leftovers(final):
+                _files.remove_tree(stale)
+        _files.barrier("prepared")
+        _storage.write_saveable(tmp, self.arrays)  # every process returns once it is there
+        me = jax.process_index()
+        if self.positions:
+            body = {"format": _ITERATOR_FORMAT, "process": me, "iterators": self.positions}
+            _files.write_json(os.path.join(tmp, iterator_file(me)), body, durable=False)
+        if _files.is_primary():
+            meta = {
+                "format": _FORMAT,
+                "version": 1,
+                "items": self.kinds,
+                "num_processes": jax.process_count(),
+            }
+            _files.write_json(os.path.join(tmp, META), meta, durable=False)
+        _files.barrier("written")
+        if _files.is_primary():
+            _files.publish(tmp, final)
+        _files.barrier("published")
+        return final
 
 
 def _leftovers(final: str) -> list[str]:

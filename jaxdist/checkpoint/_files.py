@@ -6,11 +6,13 @@ directory is atomic, so a reader (or a process restarted after ``kill -9``)
 sees the old state or the new one, never a half-written one. Small metadata
 files go the same way (`write_json`).
 
-In a job of several processes every process takes part in writing the
-arrays (orbax-checkpoint's rule), but only process 0 creates, renames and
-deletes directories; `barrier` keeps the processes in step between those
-phases, through the ``jax.distributed`` coordination service (not an XLA
-collective, so it never overlaps a training step's programs).
+In a job of several processes every process holds the whole host state,
+so process 0 writes the arrays and creates, renames and deletes
+directories, while each process writes its own small files (its iterator
+positions); `barrier` keeps the processes in step between those phases,
+through the ``jax.distributed`` coordination service (not an XLA collective,
+so it never overlaps a training step's programs and may run in a background
+thread).
 """
 
 from __future__ import annotations

@@ -12,6 +12,16 @@ directory (after a restart) manages the same entries; complete entries on
 disk that the record lacks (a save interrupted between its rename and the
 record's update) are added after the recorded ones, by number.
 
+Asynchronous saves (``enable_async_checkpointing=True``, orbax's option): `save`
+copies the arrays to the host (training stalls only for that copy) and returns;
+a background thread writes the directory, flushes it, renames it into place and
+updates the record, while training goes on. One save is in flight at a time:
+the next `save`, `restore_or_initialize`, `latest_checkpoint`, `checkpoints`,
+`wait_until_finished` and `close` wait for it first, and raise its error if it
+failed (the entries saved before it are intact). The background thread runs no
+JAX computation and no XLA collective (see `Snapshot`), so it never overlaps a
+training step's collectives, also in a job of several processes.
+
 Left out of TF's ``tf.train.CheckpointManager``: ``keep_checkpoint_every_n_hours``,
 ``step_counter`` / ``checkpoint_interval`` (save when you want a checkpoint)
 and save ``options``.
@@ -21,6 +31,7 @@ from __future__ import annotations
 
 import os
 import re
+import threading
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -28,7 +39,7 @@ from typing import Any
 import numpy as np
 
 from jaxdist.checkpoint import _files
-from jaxdist.checkpoint._checkpoint import Checkpoint
+from jaxdist.checkpoint._checkpoint import Checkpoint, Snapshot
 
 __all__ = ["CheckpointManager"]
 
@@ -48,13 +59,25 @@ class CheckpointManager:
         checkpoint_name: the entries' name before ``-<N>``.
         init_fn: called by `restore_or_initialize` when there is no
             checkpoint to restore.
+        enable_async_checkpointing: write in a background thread: `save`
+            returns once the arrays are copied to the host, and the files are
+            written while training goes on (see `wait_until_finished`).
 
     A manager over a directory that already holds checkpoints (a restarted
     job) takes them over: `latest_checkpoint` is the newest, and the next
     save deletes the oldest beyond ``max_to_keep``. Only one manager should
     write into a directory at a time. In a job of several processes every
     process makes the manager and calls `save` at the same step; process 0
-    writes the directory's metadata and renames and deletes the entries.
+    writes the files and renames and deletes the entries.
+
+    With ``enable_async_checkpointing=True`` (orbax's option) `save` stalls the
+    caller only for the copy of the arrays to the host, and a background thread
+    writes the entry while training goes on; the next save, a restore,
+    `latest_checkpoint`, `checkpoints` and `wait_until_finished` wait for it (and
+    raise its error, if it failed). Call `wait_until_finished` (or `close`)
+    before the program reads the files itself, calls
+    ``jax.distributed.shutdown()`` or ends with ``os._exit``; a normal exit
+    waits for the write.
 
     Example:
         >>> import os, tempfile, jax.numpy as jnp, jaxdist as jd
@@ -69,6 +92,13 @@ class CheckpointManager:
         ['ckpt-2', 'ckpt-3']
         >>> os.path.basename(manager.restore_or_initialize()), int(ckpt.step)
         ('ckpt-3', 3)
+        >>> background = jd.checkpoint.CheckpointManager(
+        ...     ckpt, tempfile.mkdtemp(), enable_async_checkpointing=True
+        ... )
+        >>> path = background.save()  # returns once the arrays are on the host
+        >>> background.wait_until_finished()  # the entry is complete and listed
+        >>> background.latest_checkpoint == path
+        True
     """
 
     def __init__(
@@ -79,6 +109,7 @@ class CheckpointManager:
         *,
         checkpoint_name: str = "ckpt",
         init_fn: Callable[[], Any] | None = None,
+        enable_async_checkpointing: bool = False,
     ) -> None:
         where = "jaxdist.checkpoint.CheckpointManager"
         if not isinstance(checkpoint, Checkpoint):
@@ -101,12 +132,20 @@ class CheckpointManager:
             )
         if init_fn is not None and not callable(init_fn):
             raise TypeError(f"{where}: init_fn must be callable, got {type(init_fn).__name__}.")
+        if not isinstance(enable_async_checkpointing, bool):
+            raise TypeError(
+                f"{where}: enable_async_checkpointing must be True or False, got "
+                f"{enable_async_checkpointing!r}."
+            )
         self._checkpoint = checkpoint
         self._directory = os.path.abspath(os.fspath(directory))
         self._max_to_keep = max_to_keep
         self._name = checkpoint_name
         self._init_fn = init_fn
         self._entry = re.compile(rf"^{re.escape(checkpoint_name)}-(\d+)$")
+        self._async = enable_async_checkpointing
+        self._writer: threading.Thread | None = None
+        self._failure: tuple[str, BaseException] | None = None
         self._entries = self._recover()
 
     # State ------------------------------------------------------------------------------
@@ -147,6 +186,11 @@ class CheckpointManager:
     # Properties -------------------------------------------------------------------------
 
     @property
+    def enable_async_checkpointing(self) -> bool:
+        """Whether `save` writes in a background thread."""
+        return self._async
+
+    @property
     def checkpoint(self) -> Checkpoint:
         """The `Checkpoint` this manager saves."""
         return self._checkpoint
@@ -158,12 +202,16 @@ class CheckpointManager:
 
     @property
     def latest_checkpoint(self) -> str | None:
-        """The path of the most recently saved checkpoint, or None when there is none."""
+        """The path of the most recently saved checkpoint, or None when there is none
+        (after the save in flight, if any, completes)."""
+        self.wait_until_finished()
         return os.path.join(self._directory, self._entries[-1]) if self._entries else None
 
     @property
     def checkpoints(self) -> list[str]:
-        """The paths of the managed checkpoints, oldest first."""
+        """The paths of the managed checkpoints, oldest first (after the save in flight,
+        if any, completes)."""
+        self.wait_until_finished()
         return [os.path.join(self._directory, n) for n in self._entries]
 
     # Saving and restoring ---------------------------------------------------------------
@@ -176,24 +224,59 @@ class CheckpointManager:
         such as a step counter), else the checkpoint's `save_counter`, which
         every save increments either way (as in TF). Saving a number that
         exists replaces that checkpoint, which becomes the newest. A state
-        holding NaN or infinite values is refused (``ValueError``) unless
+        holding NaN or infinite values is refused (``ValueError``; nothing is
+        written and `save_counter` is left as it was) unless
         ``allow_nonfinite=True``.
+
+        With ``enable_async_checkpointing`` it waits for the save in flight (raising
+        its error), copies the arrays to the host and returns; the entry appears
+        under the returned path once written completely (`wait_until_finished`).
 
         Returns:
             The path of the new checkpoint.
         """
+        self.wait_until_finished()
         ckpt = self._checkpoint
-        object.__setattr__(ckpt, "_save_counter", ckpt.save_counter + 1)
-        number = ckpt.save_counter if checkpoint_number is None else _number(checkpoint_number)
+        counter = ckpt.save_counter + 1
+        object.__setattr__(ckpt, "_save_counter", counter)
+        number = counter if checkpoint_number is None else _number(checkpoint_number)
         name = f"{self._name}-{number}"
-        path = ckpt.write(os.path.join(self._directory, name), allow_nonfinite=allow_nonfinite)
-        if name in self._entries:
-            self._entries.remove(name)
-        self._entries.append(name)
+        try:
+            snapshot = ckpt._snapshot(
+                "jaxdist.checkpoint.CheckpointManager.save",
+                frozen=self._async,
+                allow_nonfinite=allow_nonfinite,
+            )
+        except BaseException:
+            object.__setattr__(ckpt, "_save_counter", counter - 1)
+            raise
+        if not self._async:
+            return self._write(snapshot, name)
+        # Not a daemon: an interpreter that exits normally finishes the write first.
+        self._writer = threading.Thread(
+            target=self._write_in_background,
+            args=(snapshot, name),
+            name=f"jaxdist-checkpoint-{name}",
+        )
+        self._writer.start()
+        return os.path.join(self._directory, name)
+
+    def _write_in_background(self, snapshot: Snapshot, name: str) -> None:
+        try:
+            self._write(snapshot, name)
+        except BaseException as e:  # raised in the caller's thread by wait_until_finished
+            self._failure = (name, e)
+
+    def _write(self, snapshot: Snapshot, name: str) -> str:
+        """Writes ``snapshot`` as the entry ``name``, deletes the oldest beyond
+        ``max_to_keep`` and records the entries."""
+        path = snapshot.write(os.path.join(self._directory, name))
+        entries = [n for n in self._entries if n != name] + [name]
         doomed: list[str] = []
-        if self._max_to_keep is not None and len(self._entries) > self._max_to_keep:
-            doomed = self._entries[: -self._max_to_keep]
-            del self._entries[: -self._max_to_keep]
+        if self._max_to_keep is not None and len(entries) > self._max_to_keep:
+            doomed = entries[: -self._max_to_keep]
+            entries = entries[-self._max_to_keep :]
+        self._entries = entries
         if _files.is_primary():
             # Deleted, then recorded: a save interrupted before its record leaves the new
             # entry unrecorded, which `_recover` takes as the newest (old entries that
@@ -203,6 +286,29 @@ class CheckpointManager:
             self._record()
         return path
 
+    def wait_until_finished(self) -> None:
+        """Waits until the save in flight (an asynchronous one) is complete.
+
+        Raises:
+            RuntimeError: the save in flight failed (its error is the cause);
+                the checkpoints saved before it are intact, and the manager
+                can save again.
+        """
+        if self._writer is not None:
+            self._writer.join()
+            self._writer = None
+        if self._failure is not None:
+            (name, error), self._failure = self._failure, None
+            raise RuntimeError(
+                f"jaxdist.checkpoint.CheckpointManager: the asynchronous save of {name} to "
+                f"{self._directory} failed ({type(error).__name__}: {error}). The checkpoints "
+                "saved before it are intact; fix the cause and save again."
+            ) from error
+
+    def close(self) -> None:
+        """Waits for the save in flight, like `wait_until_finished` (orbax's name)."""
+        self.wait_until_finished()
+
     def restore_or_initialize(self) -> str | None:
         """Restores the latest checkpoint into the `Checkpoint`, or, when there is none,
         calls ``init_fn`` (if given).
@@ -210,7 +316,7 @@ class CheckpointManager:
         Returns:
             The path restored, or None when there was no checkpoint.
         """
-        latest = self.latest_checkpoint
+        latest = self.latest_checkpoint  # after the save in flight
         if latest is not None:
             self._checkpoint.restore(latest)
             return latest

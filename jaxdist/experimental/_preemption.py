@@ -406,6 +406,7 @@ class PreemptionCheckpointHandler:
             saved = "saved with save_fn"
         else:
             saved = f"saved {self._manager.save()}"
+            self._manager.wait_until_finished()  # an asynchronous manager: written before exit
         self.last_save_seconds = time.monotonic() - start
         what = f"{saved} after run() call {self._run_counter}"
         self._round += 1

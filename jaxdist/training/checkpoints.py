@@ -164,9 +164,8 @@ class Checkpoint(Callback):
         every_epoch: save at the end of every epoch.
         keep: how many checkpoints to keep (the newest); None keeps all.
         async_write: write the files in a background thread (in a job of one
-            process; with several, orbax-checkpoint synchronizes the processes
-            with an XLA collective that must not run beside training steps, so
-            they write in the training thread).
+            process; with several, the processes take the state's host copy
+            and meet at the save's barriers in the training thread).
         allow_nonfinite: save states holding NaN or infinite values. By
             default such a save raises ``ValueError`` naming the step, the
             epoch and the first non-finite arrays, and nothing is written
@@ -295,9 +294,8 @@ class Checkpoint(Callback):
         self._bound = _bind(self._items, items, self._bound)
         self._last_saved = key
         step = loop.step
-        # orbax-checkpoint synchronizes the processes of a job with an XLA collective, which
-        # must not run beside the training steps' collectives: several processes write in
-        # the training thread.
+        # Several processes write in the training thread: the save reads every array to the
+        # host and meets the other processes at barriers, which keeps it in step order.
         if self.async_write and jax.process_count() == 1:
             self._writer = threading.Thread(
                 target=self._write, args=(step,), name="jaxdist-fit-checkpoint"

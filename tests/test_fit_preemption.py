@@ -320,3 +320,78 @@ def test_sigterm_at_a_random_step_exits_42_and_the_restart_resumes_exactly(
         assert a.dtype == b.dtype and a.shape == b.shape
         np.testing.assert_array_equal(a, b)  # bitwise
     print(f"seed {seed}: SIGTERM at step {at}, saved step {stopped}")
+
+
+# 2 processes x 4 devices through the launcher -----------------------------------------------
+
+TRAINING = REPO / "tests" / "mp_scripts" / "fit_preemption_training.py"
+
+
+def _launch(out: Path, *extra: str) -> subprocess.Popen:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_", "XLA_"))}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    env["JAXDIST_HEARTBEAT_TIMEOUT"] = "10"
+    return subprocess.Popen(
+        [
+            sys.executable, "-m", "jaxdist.launch", "--nprocs", "2", "--devices-per-proc", "4",
+            "--max-restarts", "2", str(TRAINING), str(out / "ckpt"), str(out / "final"), *extra,
+        ],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=REPO,
+    )  # fmt: skip
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_two_processes_sigterm_one_the_job_resumes_exactly(tmp_path: Path) -> None:
+    """SIGTERM to one process of a 2 x 4 job at a random step: both save the same step
+    through fit's callback and exit 42, the launcher restarts the job, fit resumes, and each
+    process ends bitwise equal to its part of an uninterrupted run of the same job."""
+    seed = random.randrange(1 << 30)
+    rng = random.Random(seed)
+    at, victim = rng.randint(2, 20), rng.randrange(2)  # of 30 steps
+    procs = [_launch(tmp_path / "reference"), _launch(tmp_path / "preempted", "--sleep", "0.05")]
+    try:
+        job = procs[1]
+        assert job.stdout is not None
+        lines, pids = [], {}
+        for line in job.stdout:
+            lines.append(line.rstrip("\n"))
+            if m := re.match(r"^\[(\d)\] START 0 (\d+)$", line):
+                pids[int(m[1])] = int(m[2])
+            if line.strip() == f"[{victim}] STEP {at}":
+                os.kill(pids[victim], signal.SIGTERM)
+                break
+        rest, _ = _finish(job, timeout=100)
+        out = "\n".join(lines) + "\n" + rest
+        assert job.returncode == 0, f"seed {seed}: {out[-4000:]}"
+        ref_out, _ = _finish(procs[0], timeout=100)
+        assert procs[0].returncode == 0, ref_out[-3000:]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    saved = re.findall(
+        r"^\[(\d)\] .*\(process \d\): fit's Checkpoint callback saved \S*ckpt-(\d+) after "
+        r"step (\d+); calling exit_fn",
+        out,
+        re.M,
+    )
+    assert sorted(p for p, _, _ in saved) == ["0", "1"], out[-4000:]
+    steps = {int(s) for _, s, _ in saved} | {int(s) for _, _, s in saved}
+    assert len(steps) == 1, saved  # one agreed step, in both processes
+    stopped = steps.pop()
+    assert at <= stopped <= at + 5, (seed, at, stopped)
+    assert "exited with code 42 (first failure: preempted)" in out
+    assert len(re.findall(r"^\[\d\] START 1 \d+$", out, re.M)) == 2  # restarted once
+    assert re.search(rf"^\[\d\] STEP {stopped + 1}$", out[out.index(" START 1 ") :], re.M)
+    assert len(re.findall(r"^\[\d\] DONE 30$", out, re.M)) == 2
+    for p in range(2):
+        with (
+            np.load(tmp_path / "reference" / "final" / f"final.{p}.npz") as a,
+            np.load(tmp_path / "preempted" / "final" / f"final.{p}.npz") as b,
+        ):
+            assert sorted(a.files) == sorted(b.files) and len(a.files) >= 10
+            for key in a.files:
+                assert a[key].dtype == b[key].dtype and a[key].shape == b[key].shape, key
+                np.testing.assert_array_equal(a[key], b[key], err_msg=key)  # bitwise
+    print(f"seed {seed}: SIGTERM to process {victim} at step {at}, saved step {stopped}")

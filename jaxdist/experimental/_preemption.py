@@ -14,6 +14,10 @@ one process saves after the call in progress; several publish their call
 counts through the ``jax.distributed`` key-value store and save after the
 largest count plus one.
 
+`jaxdist.fit` takes a handler made with its `jaxdist.training.Checkpoint`
+callback (``preemption_handler=``): the same agreement, on fit's global step,
+and the callback's save (state, data position, step counter, history).
+
 Left out of TF's: detecting the platform (Borg, GCE maintenance events);
 propagating an error in one process's step to the others (in jaxdist an
 uncaught error already ends the job, see `jaxdist.initialize`); and
@@ -48,6 +52,7 @@ from jaxdist.experimental._preemption_agreement import (
     KeyValueAgreement,
     LocalAgreement,
 )
+from jaxdist.training.checkpoints import Checkpoint as FitCheckpoint
 
 __all__ = ["RESTART_EXIT_CODE", "PreemptionCheckpointHandler", "TerminationConfig"]
 
@@ -137,9 +142,12 @@ class PreemptionCheckpointHandler:
         checkpoint_or_checkpoint_manager: a `jaxdist.checkpoint.Checkpoint`
             holding the training state (the handler then makes a
             ``CheckpointManager(checkpoint, checkpoint_dir, max_to_keep=1)``),
-            or a `jaxdist.checkpoint.CheckpointManager` you also save with.
+            or a `jaxdist.checkpoint.CheckpointManager` you also save with; or,
+            for `jaxdist.fit`, the `jaxdist.training.Checkpoint` callback that
+            fit saves through (see "Under fit" below).
         checkpoint_dir: the directory of the checkpoints; required with a
-            ``Checkpoint``, and left out (or the manager's) with a manager.
+            ``Checkpoint``, and left out (or the manager's) with a manager or a
+            fit callback.
         termination_config: a `TerminationConfig`; default: SIGTERM is the
             notice, no grace period, ``sys.exit(42)`` after the save.
 
@@ -169,6 +177,16 @@ class PreemptionCheckpointHandler:
     inside that function, or pass ``next(iterator)`` as its argument; either
     way the saved position is after the batches the saved steps used.
 
+    Under fit: ``jd.fit(..., callbacks=[ckpt], preemption_handler=handler,
+    resume=True)`` with ``handler = PreemptionCheckpointHandler(resolver,
+    ckpt)`` and ``ckpt`` a `jaxdist.training.Checkpoint` callback. Such a
+    handler restores nothing when it is created (``fit(resume=True)`` does, the
+    data position and the step included) and has no `run`: fit tells it of
+    every completed step, and at the agreed step boundary the callback saves
+    (``ckpt-<step>``, waited for) before ``exit_fn`` runs. `total_run_calls`
+    is then fit's global step. ``exit_fn`` and ``grace_period`` work as
+    described; ``save_fn`` is refused (the callback is the save).
+
     Attributes:
         restored_from: the checkpoint restored when the handler was created, or None.
         last_save_seconds: how long the last save took, or None before the first.
@@ -194,8 +212,20 @@ class PreemptionCheckpointHandler:
         termination_config: TerminationConfig | None = None,
     ) -> None:
         config = _check_config(termination_config)
-        self._manager = _manager(checkpoint_or_checkpoint_manager, checkpoint_dir)
-        self._checkpoint = self._manager.checkpoint
+        # fit's Checkpoint callback, when fit saves (then there is no manager of its own).
+        self._fit_checkpoint = _fit_callback(checkpoint_or_checkpoint_manager, checkpoint_dir)
+        if self._fit_checkpoint is not None and config.save_fn is not None:
+            raise ValueError(
+                f"{_WHERE}: TerminationConfig(save_fn=...) replaces the handler's save, but a "
+                "handler made with a jd.training.Checkpoint callback saves through that "
+                "callback under jd.fit (state, data position, step and history); drop save_fn, "
+                "or save in a callback of your own."
+            )
+        self._manager: CheckpointManager | None = None
+        self._checkpoint: Checkpoint | None = None
+        if self._fit_checkpoint is None:
+            self._manager = _manager(checkpoint_or_checkpoint_manager, checkpoint_dir)
+            self._checkpoint = self._manager.checkpoint
         self._agreement = _agreement(cluster_resolver)
         self._me = jax.process_index()
         self._watcher_fn = config.termination_watcher_fn
@@ -203,7 +233,10 @@ class PreemptionCheckpointHandler:
         self._save_fn = config.save_fn
         self._grace_period = float(config.grace_period or 0.0)
 
-        self._restore()
+        self._run_counter = 0
+        self.restored_from: str | None = None
+        if self._manager is not None:
+            self._restore()
         # The round in progress (see _preemption_agreement), and this process's part in it.
         self._round = 0
         self._published: int | None = None  # the count this process published
@@ -231,10 +264,11 @@ class PreemptionCheckpointHandler:
     # Restoring ---------------------------------------------------------------------------
 
     def _restore(self) -> None:
-        ckpt = self._checkpoint
+        ckpt, manager = self._checkpoint, self._manager
+        assert ckpt is not None and manager is not None
         if not hasattr(ckpt, RUN_CALLS_ITEM):
             setattr(ckpt, RUN_CALLS_ITEM, 0)
-        latest = self._manager.latest_checkpoint
+        latest = manager.latest_checkpoint
         if latest is not None:
             meta = read_json(_WHERE, os.path.join(latest, META), "the checkpoint's metadata")
             if RUN_CALLS_ITEM not in meta.get("items", {}):
@@ -245,7 +279,7 @@ class PreemptionCheckpointHandler:
                     "own, or create the handler before the manager saves there (it adds the "
                     "item to the Checkpoint)."
                 )
-        self._manager.restore_or_initialize()
+        manager.restore_or_initialize()
         self._run_counter = _count(getattr(ckpt, RUN_CALLS_ITEM))
         self.restored_from = latest
 
@@ -336,16 +370,42 @@ class PreemptionCheckpointHandler:
         Raises:
             RuntimeError: the ``termination_watcher_fn`` raised (chained), or a
                 process did not reach the agreed step (see the message).
+            ValueError: the handler was made with a `jaxdist.training.Checkpoint`
+                callback (it is for `jaxdist.fit`).
         """
+        if self._fit_checkpoint is not None:
+            raise ValueError(
+                f"{_WHERE}.run: this handler was made with a jd.training.Checkpoint callback "
+                "and saves through jd.fit; pass it to fit (jd.fit(..., callbacks=[checkpoint], "
+                "preemption_handler=handler)), or make the handler with a "
+                "jd.checkpoint.Checkpoint of the state for a loop of your own."
+            )
+        self._raise_watcher_error("run")
+        result = distributed_train_function(*args, **kwargs)
+        self._counted(self._run_counter + 1)
+        return result
+
+    def _fit_step_end(self, step: int) -> None:
+        """Called by `jaxdist.fit` after each completed step (its global ``step``), in every
+        process: this process's part in a preemption round, which may save through fit's
+        `Checkpoint` callback and call ``exit_fn``."""
+        self._raise_watcher_error("jaxdist.fit")
+        self._counted(step)
+
+    def _raise_watcher_error(self, where: str) -> None:
         if self._watcher_error is not None:
             error, self._watcher_error = self._watcher_error, None
+            name = f"{_WHERE}.run" if where == "run" else f"{where} (preemption_handler)"
             raise RuntimeError(
-                f"{_WHERE}.run: the termination_watcher_fn raised {type(error).__name__}: "
+                f"{name}: the termination_watcher_fn raised {type(error).__name__}: "
                 f"{error}; it must return True or False without raising."
             ) from error
-        result = distributed_train_function(*args, **kwargs)
-        self._run_counter += 1
-        setattr(self._checkpoint, RUN_CALLS_ITEM, self._run_counter)
+
+    def _counted(self, count: int) -> None:
+        """A step completed: ``count`` steps now (run() calls, or fit's global step)."""
+        self._run_counter = count
+        if self._checkpoint is not None:
+            setattr(self._checkpoint, RUN_CALLS_ITEM, count)
         if self._grace_period:
             now = time.monotonic()
             if self._last_call is not None:
@@ -353,7 +413,6 @@ class PreemptionCheckpointHandler:
             self._last_call = now
         if self._noticed or self._published is not None or self._agreement.process_count > 1:
             self._after_call()
-        return result
 
     @contextlib.contextmanager
     def watch_preemption_scope(self) -> Iterator[None]:
@@ -404,11 +463,17 @@ class PreemptionCheckpointHandler:
         if self._save_fn is not None:
             self._save_fn()
             saved = "saved with save_fn"
+        elif self._fit_checkpoint is not None:
+            self._fit_checkpoint.save()  # this step's checkpoint, unless it was just saved
+            self._fit_checkpoint.wait_until_finished()  # written before exit_fn
+            saved = f"fit's Checkpoint callback saved {self._fit_checkpoint.last_checkpoint}"
         else:
+            assert self._manager is not None
             saved = f"saved {self._manager.save()}"
             self._manager.wait_until_finished()  # an asynchronous manager: written before exit
         self.last_save_seconds = time.monotonic() - start
-        what = f"{saved} after run() call {self._run_counter}"
+        call = "step" if self._fit_checkpoint is not None else "run() call"
+        what = f"{saved} after {call} {self._run_counter}"
         self._round += 1
         self._published = self._target = None
         if self._grace_period and not self._countdown:
@@ -458,6 +523,19 @@ def _check_config(config: Any) -> TerminationConfig:
     return config
 
 
+def _fit_callback(item: Any, checkpoint_dir: str | os.PathLike[str] | None) -> FitCheckpoint | None:
+    """The `jaxdist.training.Checkpoint` callback given (fit saves through it), or None."""
+    if not isinstance(item, FitCheckpoint):
+        return None
+    if checkpoint_dir is not None and os.path.abspath(checkpoint_dir) != item.directory:
+        raise ValueError(
+            f"{_WHERE}: checkpoint_dir={os.fspath(checkpoint_dir)!r} differs from the "
+            f"directory of the jd.training.Checkpoint callback given ({item.directory!r}); "
+            "leave checkpoint_dir out with a callback (its directory is used)."
+        )
+    return item
+
+
 def _manager(item: Any, checkpoint_dir: str | os.PathLike[str] | None) -> CheckpointManager:
     if isinstance(item, CheckpointManager):
         if checkpoint_dir is not None and os.path.abspath(checkpoint_dir) != item.directory:
@@ -477,7 +555,8 @@ def _manager(item: Any, checkpoint_dir: str | os.PathLike[str] | None) -> Checkp
         return CheckpointManager(item, checkpoint_dir, max_to_keep=1)
     raise TypeError(
         f"{_WHERE}: checkpoint_or_checkpoint_manager must be a jaxdist.checkpoint.Checkpoint or "
-        f"CheckpointManager, got {type(item).__name__}. Wrap the state: "
+        f"CheckpointManager (or, for jd.fit, a jd.training.Checkpoint callback), got "
+        f"{type(item).__name__}. Wrap the state: "
         "jd.checkpoint.Checkpoint(model=model, optimizer=optimizer, data=iterator)."
     )
 

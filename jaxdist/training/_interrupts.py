@@ -14,7 +14,9 @@ thread (the only one Python delivers signals to):
   is that function, which `fit` calls after saving, before it exits (chaining).
   A SIGTERM handler set to ``SIG_IGN``, or installed outside Python (as
   ``jax.distributed``'s preemption notifier does in a job of several
-  processes), is left alone: it could not be put back afterwards.
+  processes), is left alone: it could not be put back afterwards. With
+  ``term=False`` (`fit` was given a ``preemption_handler``, whose own SIGTERM
+  handler gives the notice) SIGTERM is not touched.
 
 The previous handlers are put back on exit, errors included.
 """
@@ -39,7 +41,8 @@ _WHERE = "jaxdist.fit"
 class Interrupts:
     """SIGINT and SIGTERM handlers for the duration of `fit` (a context manager)."""
 
-    def __init__(self) -> None:
+    def __init__(self, term: bool = True) -> None:
+        self._term = term  # handle SIGTERM (where it can be put back afterwards)
         self.count = 0  # Ctrl-C presses
         self.terminated = False  # SIGTERM received
         self.in_step = False
@@ -57,7 +60,7 @@ class Interrupts:
         self._int_installed = True
         previous = signal.getsignal(signal.SIGTERM)
         ours = previous is signal.SIG_DFL or callable(previous)  # not SIG_IGN, not None
-        if ours and jax.process_count() == 1:
+        if self._term and ours and jax.process_count() == 1:
             self._previous_term = previous
             signal.signal(signal.SIGTERM, self._on_term)
             self._term_installed = True

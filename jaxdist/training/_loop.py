@@ -15,6 +15,7 @@ import jax
 
 from jaxdist.training._interrupts import PREEMPTED_EXIT_CODE, Interrupts
 from jaxdist.training._modes import eval_mode
+from jaxdist.training._preemption_hook import PreemptionHandlerLike
 from jaxdist.training.callbacks import Callback, FitLoop, functional_result
 from jaxdist.training.checkpoints import Checkpoint, Resumed
 from jaxdist.training.progress import EpochMean, MetricReader, Progress, StepLogs, as_metrics
@@ -181,6 +182,7 @@ class Runner:
     eval_step: Callable[..., Any] | None
     evaluation: Any  # the distributed evaluation data
     track: bool = False  # record the data position after every step (for checkpoints)
+    preemption: PreemptionHandlerLike | None = None  # fit's preemption_handler
     resumed: Resumed | None = None  # the checkpoint the first epoch resumes from
     reader: MetricReader = dataclasses.field(default_factory=MetricReader)
     checked: bool = False
@@ -292,6 +294,10 @@ class Runner:
                         batch = _END
                 for cb in self.callbacks:
                     cb.on_step_end(loop.step, logs)
+                if self.preemption is not None and not interrupts.interrupted:
+                    # Every process, every step: may save this step through the Checkpoint
+                    # callback (the position is known: at_epoch_end is set) and exit.
+                    self.preemption._fit_step_end(loop.step)
                 if batch is _END or loop.stop_training or interrupts.interrupted:
                     break
             mean.add(pending)

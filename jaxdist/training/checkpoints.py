@@ -312,6 +312,10 @@ class Checkpoint(Callback):
         except BaseException as e:  # raised in the training thread by _wait
             self._failure = (step, e)
 
+    def wait_until_finished(self) -> None:
+        """Waits for the write in progress (``async_write``); raises its error, if it failed."""
+        self._wait()
+
     def _wait(self) -> None:
         """Waits for the write in progress; raises its error, if it failed."""
         if self._writer is not None:

@@ -57,6 +57,14 @@ main thread (where Python delivers signals); the previous handlers are put
 back afterwards, also after errors. SIGTERM is handled in a job of one
 process, unless its handler is ``SIG_IGN`` or was installed outside Python; a
 previous Python SIGTERM handler is called after the save, before the exit.
+
+Preemption in a job of several processes: ``fit(..., preemption_handler=
+handler)`` with a `jaxdist.experimental.PreemptionCheckpointHandler` made
+with the run's `Checkpoint` callback. The handler takes SIGTERM (or its
+watcher function's notice); every process saves at one agreed step boundary
+through the callback, then the handler's ``exit_fn`` runs (exit code 42 by
+default); ``fit(..., resume=True, preemption_handler=...)`` in the restarted
+job continues exactly.
 """
 
 from __future__ import annotations
@@ -76,6 +84,7 @@ from jaxdist.training._fit_groups import GroupFeed
 from jaxdist.training._interrupts import Interrupts
 from jaxdist.training._loop import FitInterrupted, FitPreempted, History, Runner
 from jaxdist.training._nnx import is_nnx_node
+from jaxdist.training._preemption_hook import PreemptionHandlerLike, fit_checkpoint_of
 from jaxdist.training.callbacks import Callback, FitLoop, TerminateOnNaN, functional_result
 from jaxdist.training.checkpoints import Checkpoint
 from jaxdist.training.progress import Progress, want_bar
@@ -230,6 +239,7 @@ def fit(
     strategy: Strategy | None = None,
     resume: bool = False,
     steps_per_execution: int | None = None,
+    preemption_handler: PreemptionHandlerLike | None = None,
 ) -> Any:  # History, or (new_state, History) for functional state
     """Trains with ``step(*state, batch)`` over ``data`` for some epochs or steps.
 
@@ -282,6 +292,22 @@ def fit(
             group at a time: a callback inside a group sees the state after it,
             and a stop requested inside a group ends with the group done. Not
             with a `Checkpoint` callback (it saves between single steps).
+        preemption_handler: a `jaxdist.experimental.PreemptionCheckpointHandler`
+            made with this run's `Checkpoint` callback
+            (``PreemptionCheckpointHandler(strategy.cluster_resolver, ckpt)``;
+            fit adds the callback when ``callbacks`` holds no `Checkpoint`, and
+            refuses a different one). It takes SIGTERM (or its
+            ``termination_watcher_fn``) as the notice in every job, one process
+            or several: after each step fit tells the handler the global step,
+            the processes agree on one step boundary (through the
+            ``jax.distributed`` key-value store), the callback saves that step
+            in every process (state, data position, step, history; the write
+            is waited for), then the handler's ``exit_fn`` runs (by default
+            ``sys.exit(42)``, so the launcher restarts the job; run it with
+            ``resume=True`` to continue exactly). An ``exit_fn`` that returns
+            lets training go on; ``grace_period`` saves, trains on and saves
+            again before the deadline, as the handler documents. fit then
+            leaves SIGTERM to the handler (no `FitPreempted`).
 
     Returns:
         The `History` when every state argument is an NNX object; otherwise
@@ -293,7 +319,8 @@ def fit(
         FitInterrupted: after Ctrl-C, once the step in progress has completed
             and the checkpoint callback has saved it (or after a
             ``KeyboardInterrupt`` raised outside a step).
-        FitPreempted: after SIGTERM, likewise (``SystemExit`` with code 42).
+        FitPreempted: after SIGTERM, likewise (``SystemExit`` with code 42);
+            with a ``preemption_handler``, its ``exit_fn`` decides instead.
         ValueError: ``resume=True`` and the latest checkpoint does not verify
             or does not fit the state (nothing is changed then).
 
@@ -340,6 +367,19 @@ def fit(
                 f"{_WHERE}: callbacks must be jd.training.Callback objects, got "
                 f"{type(cb).__name__}; subclass Callback and override its hooks."
             )
+    if preemption_handler is not None:
+        saves = fit_checkpoint_of(preemption_handler)
+        given = [cb for cb in callbacks if isinstance(cb, Checkpoint)]
+        if not given:
+            callbacks.append(saves)
+        elif not any(cb is saves for cb in given):
+            raise ValueError(
+                f"{_WHERE}: the preemption_handler saves through the jd.training.Checkpoint "
+                f"callback of {saves.directory}, but callbacks holds another one "
+                f"({', '.join(cb.directory for cb in given)}); pass the handler's callback "
+                "(callbacks=[ckpt] with PreemptionCheckpointHandler(resolver, ckpt)), or "
+                "leave it out of callbacks (fit adds it)."
+            )
     # TerminateOnNaN first: a non-finite step is caught before a checkpoint of it is due.
     callbacks.sort(key=lambda cb: not isinstance(cb, TerminateOnNaN))
     checkpoint = _checkpoint_callback(callbacks, resume, initial_epoch, initial_step)
@@ -374,7 +414,7 @@ def fit(
         steps=steps,
     )
     history = History(step=initial_step)
-    with strategy.scope(), Interrupts() as interrupts:
+    with strategy.scope(), Interrupts(term=preemption_handler is None) as interrupts:
         try:
             train, total = _distributed(strategy, data)
             if grouped is not None and grouped.steps_per_execution == 1:
@@ -396,6 +436,7 @@ def fit(
                 eval_step=eval_step,
                 evaluation=evaluation,
                 track=checkpoint is not None,
+                preemption=preemption_handler,
             )
             if resume:
                 assert checkpoint is not None

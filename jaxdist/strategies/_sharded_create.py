@@ -123,10 +123,13 @@ def sharded_initializer(
     """The jitted initializer (no arguments; returns the state's arrays, each laid out
     by ``dims_of``, the strategy's rules, over ``strategy.mesh``) and the function that
     rebuilds ``fn``'s result (NNX objects, `TrainState`, ...) around those arrays."""
-    if not callable(fn):
+    nnx = _nnx()
+    built = nnx is not None and isinstance(fn, (nnx.Pytree, nnx.Variable))
+    if not callable(fn) or built:
         raise TypeError(
             f"{where}: fn must be a callable that builds the state, got "
-            f"{type(fn).__name__} {fn!r}. Pass a function, not the object it builds: "
+            f"{'an already built ' if built else ''}{type(fn).__name__} object. Pass "
+            "the function that builds it, so it is never whole on one device: "
             "strategy.experimental_create(lambda: MyModel(nnx.Rngs(0)))."
         )
     abstract = _abstract(fn, args, kwargs, where)

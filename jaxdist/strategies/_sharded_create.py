@@ -44,8 +44,9 @@ def key_str(key: Any) -> str:
     return str(key)
 
 
-def _nnx() -> Any | None:
-    return sys.modules.get("flax.nnx")  # NNX objects cannot exist unless flax.nnx is loaded
+def _nnx() -> Any:
+    """``flax.nnx``, or ``None`` when not loaded (NNX objects cannot exist then)."""
+    return sys.modules.get("flax.nnx")
 
 
 def _abstract(fn: Callable[..., Any], args: Any, kwargs: Any, where: str) -> Any:
@@ -146,8 +147,8 @@ def sharded_initializer(
     # optax transformation built inside fn, say) differ between calls, so the result is
     # rebuilt around the abstract trace's structure.
     full = jax.tree.structure(state)
-    if full.num_leaves != len(shardings):
-        raise AssertionError(f"{where}: {full.num_leaves} arrays for {len(shardings)} leaves")
+    if len(jax.tree.leaves(state)) != len(shardings):  # a Variable holds one array
+        raise AssertionError(f"{where}: the state's arrays do not match its leaves")
 
     def build() -> list[Any]:
         out = fn(*args, **kwargs)

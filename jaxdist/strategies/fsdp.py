@@ -221,6 +221,11 @@ class FSDPStrategy(Strategy):
     replication). ``strategy.run`` and distributed variables behave as under
     `MirroredStrategy` (replicated).
 
+    `experimental_create` builds the state directly in those slices (an abstract
+    trace, the rules, then a ``jax.jit`` with ``out_shardings``), so a model
+    larger than one device can start; a model built eagerly is sharded by the
+    first step instead, after existing whole on one device.
+
     Inside the step only the parameters are gathered (for the forward and
     backward pass); gradients that are kept as slices are reduce-scattered
     and the optimizer updates each device's slice, as ZeRO-3 does. Element-wise
@@ -337,8 +342,9 @@ class FSDPStrategy(Strategy):
             ...     model = nnx.Linear(64, 512, rngs=nnx.Rngs(0))
             ...     return model, nnx.Optimizer(model, optax.adamw(1e-3), wrt=nnx.Param)
             >>> model, opt = s.experimental_create(make)
-            >>> model.kernel.get_value().sharding.spec
-            PartitionSpec('replica',)
+            >>> kernel = model.kernel.get_value()   # (64, 512): 64 / 8 rows per device
+            >>> kernel.addressable_shards[0].data.shape == (64 // s.num_replicas_in_sync, 512)
+            True
         """
         return create_sharded(
             self, self._state_dims, fn, args, kwargs, self._name("experimental_create")

@@ -240,6 +240,54 @@ def test_five_adamw_steps_equal_normal_creation_and_move_nothing(
     np.testing.assert_allclose(losses, eager_losses, rtol=RTOL, atol=ATOL)
 
 
+def test_a_created_train_state_trains_like_a_normal_one_and_moves_nothing(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    strategy = jd.experimental.FSDPStrategy(min_shard_bytes=1024)
+    copies = _Copies(monkeypatch)
+    rng = np.random.default_rng(2)
+    xs = rng.normal(size=(5, N, 4, 64)).astype(np.float32)
+    ys = rng.normal(size=(5, N, 4, 8)).astype(np.float32)
+
+    def apply(params, x):  # type: ignore[no-untyped-def]
+        return jnp.tanh(x @ params["w1"]) @ params["w2"]
+
+    def make() -> jd.TrainState:
+        key = jax.random.key(5)
+        params = {"w1": jax.random.uniform(key, (64, 256)) - 0.5, "w2": jnp.ones((256, 8)) / 64}
+        return jd.TrainState.create(apply_fn=apply, params=params, tx=optax.adamw(1e-2))
+
+    def train(state: jd.TrainState) -> tuple[list[float], jd.TrainState]:
+        @jd.train_step(strategy)
+        def step(ctx, state, x, y):  # type: ignore[no-untyped-def]
+            def loss(p):  # type: ignore[no-untyped-def]
+                per_example = jnp.mean((state.apply_fn(p, x) - y) ** 2, axis=-1)
+                return jd.compute_average_loss(per_example, global_batch_size=N * 4)
+
+            value, grads = jax.value_and_grad(loss)(state.params)
+            new = state.apply_gradients(grads=ctx.all_reduce("sum", grads))
+            return new, ctx.all_reduce("sum", value)
+
+        losses = []
+        for x, y in zip(xs, ys, strict=True):
+            state, value = step(state, jd.PerReplica(list(x)), jd.PerReplica(list(y)))
+            losses.append(float(value))
+        return losses, state
+
+    created = strategy.experimental_create(make)
+    ref = make()  # eager, on one device: uniform initializers give the same bits
+    for a, b in zip(_host(created), _host(ref), strict=True):
+        np.testing.assert_array_equal(a, b)
+    losses, state = train(created)
+    assert copies.calls == 0
+    ref_losses, ref_state = train(ref)
+    assert copies.calls >= 1  # the control: the eager state is placed by the first step
+    np.testing.assert_allclose(losses, ref_losses, rtol=RTOL, atol=ATOL)
+    for a, b in zip(_host(state), _host(ref_state), strict=True):
+        np.testing.assert_allclose(a, b, rtol=RTOL, atol=ATOL)
+    assert state.params["w1"].addressable_shards[0].data.shape == (8, 256)
+
+
 def _is_var(x: object) -> bool:
     return isinstance(x, nnx.Variable)
 
@@ -257,6 +305,12 @@ def _is_var(x: object) -> bool:
 def test_fn_must_be_a_callable_building_the_state(fn: object, match: str) -> None:
     with pytest.raises(TypeError, match=match):
         jd.experimental.FSDPStrategy().experimental_create(fn)
+
+
+def test_nnx_objects_as_arguments_are_refused_with_the_fix() -> None:
+    strategy = jd.experimental.FSDPStrategy()
+    with pytest.raises(TypeError, match=r"NNX objects cannot be arguments of fn: kwargs\['rngs'\]"):
+        strategy.experimental_create(nnx.Linear, 64, 256, rngs=nnx.Rngs(0))
 
 
 @pytest.mark.parametrize(

@@ -30,7 +30,7 @@ from typing import Any
 import jax
 from jax.sharding import NamedSharding
 
-from jaxdist._compile import dim_spec
+from jaxdist._compile import dim_spec, path_str
 from jaxdist.strategy import Strategy
 
 __all__ = ["create_sharded", "key_str", "sharded_initializer"]
@@ -72,6 +72,23 @@ def _has_nodes(tree: Any) -> bool:
     return any(
         isinstance(x, kinds) for x in jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, kinds))
     )
+
+
+def _check_no_nodes(args: tuple[Any, ...], kwargs: dict[str, Any], where: str) -> None:
+    nnx = _nnx()
+    if nnx is None:
+        return
+    kinds = (nnx.Pytree, nnx.Variable)
+    flat = jax.tree_util.tree_flatten_with_path(
+        (args, kwargs), is_leaf=lambda x: isinstance(x, kinds)
+    )[0]
+    nodes = [f"{path_str(p)} ({type(x).__name__})" for p, x in flat if isinstance(x, kinds)]
+    if nodes:
+        raise TypeError(
+            f"{where}: NNX objects cannot be arguments of fn: {', '.join(nodes)}; fn runs "
+            "inside jax.jit, where it could not update them. Create them inside fn, e.g. "
+            "strategy.experimental_create(lambda seed: MyModel(nnx.Rngs(seed)), 0)."
+        )
 
 
 def _split(tree: Any) -> tuple[Any, Any]:
@@ -133,6 +150,7 @@ def sharded_initializer(
             "the function that builds it, so it is never whole on one device: "
             "strategy.experimental_create(lambda: MyModel(nnx.Rngs(0)))."
         )
+    _check_no_nodes(args, kwargs, where)
     abstract = _abstract(fn, args, kwargs, where)
     graphdef, state = _split(abstract)
     paths, leaves = _leaves(state, isinstance(abstract, (tuple, list)), where)

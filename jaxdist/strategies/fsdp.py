@@ -37,13 +37,14 @@ from __future__ import annotations
 import math
 import numbers
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 import numpy as np
 
 from jaxdist.devices import resolve_devices
+from jaxdist.strategies._sharded_create import create_sharded
 from jaxdist.strategy import Strategy
 
 __all__ = ["DEFAULT_MIN_SHARD_BYTES", "FSDPStrategy", "state_layout"]
@@ -220,6 +221,11 @@ class FSDPStrategy(Strategy):
     replication). ``strategy.run`` and distributed variables behave as under
     `MirroredStrategy` (replicated).
 
+    `experimental_create` builds the state directly in those slices (an abstract
+    trace, the rules, then a ``jax.jit`` with ``out_shardings``), so a model
+    larger than one device can start; a model built eagerly is sharded by the
+    first step instead, after existing whole on one device.
+
     Inside the step only the parameters are gathered (for the forward and
     backward pass); gradients that are kept as slices are reduce-scattered
     and the optimizer updates each device's slice, as ZeRO-3 does. Element-wise
@@ -306,6 +312,43 @@ class FSDPStrategy(Strategy):
         replicated), by this strategy's rules; raises ``ValueError`` listing every
         leaf that cannot be placed."""
         return self._state_dims(leaves, self._name("state_layout"))
+
+    def experimental_create(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """Calls ``fn(*args, **kwargs)`` to build the training state directly in slices:
+        no device ever holds the whole state, so a model larger than one device can start.
+
+        ``fn`` builds NNX objects (a Module, or a tuple such as ``(model,
+        nnx.Optimizer(model, tx, wrt=nnx.Param))``), a `jaxdist.TrainState`, or a
+        pytree of arrays. It is traced abstractly first (``nnx.eval_shape``), each
+        leaf is laid out by this strategy's rules (`state_layout`, the same decision
+        and errors as the train step's, paths as there: inside each returned object
+        or `TrainState`), then ``fn`` runs under ``jax.jit`` with those
+        ``out_shardings``, so each device computes only its slices. The values are
+        those of calling ``fn`` directly (the same RNG seeds give the same bits), and
+        the result is stored exactly as `jaxdist.train_step` keeps state under this
+        strategy: the first step moves nothing. Create ``nnx.Rngs`` inside ``fn``
+        (from a seed); arrays among ``args`` are captured as constants.
+
+        Raises:
+            TypeError: ``fn`` is not callable, or returns a leaf that is not an array.
+            ValueError: ``fn`` returns no arrays, or the rules cannot place a leaf
+                (as `state_layout`).
+
+        Example:
+            >>> import optax, jaxdist as jd
+            >>> from flax import nnx
+            >>> s = jd.experimental.FSDPStrategy(min_shard_bytes=1024)
+            >>> def make():
+            ...     model = nnx.Linear(64, 512, rngs=nnx.Rngs(0))
+            ...     return model, nnx.Optimizer(model, optax.adamw(1e-3), wrt=nnx.Param)
+            >>> model, opt = s.experimental_create(make)
+            >>> kernel = model.kernel.get_value()   # (64, 512): 64 / 8 rows per device
+            >>> kernel.addressable_shards[0].data.shape == (64 // s.num_replicas_in_sync, 512)
+            True
+        """
+        return create_sharded(
+            self, self._state_dims, fn, args, kwargs, self._name("experimental_create")
+        )
 
     def _state_dims(self, leaves: Sequence[tuple[str, Any]], where: str) -> list[int | None]:
         return state_layout(

@@ -26,6 +26,7 @@ import jax
 from jax.sharding import NamedSharding
 
 from jaxdist._compile import Sharded, Synced, dim_spec
+from jaxdist.strategies._sharded_create import key_str
 from jaxdist.strategy import Strategy
 from jaxdist.training._nnx import StateCache
 from jaxdist.training._place import placed_copy
@@ -37,17 +38,10 @@ __all__ = ["StateDims", "place_nnx", "place_states", "shard_in", "shard_out", "s
 StateDims = tuple[tuple[int | None, ...], tuple[tuple[int | None, ...], ...]]
 
 
-def _key_str(key: Any) -> str:
-    for attr in ("name", "key", "idx"):
-        if hasattr(key, attr):
-            return str(getattr(key, attr))
-    return str(key)
-
-
 def tree_paths(tree: Any) -> list[tuple[str, Any]]:
     """``(path, leaf)`` of every leaf of ``tree``, the path ``/``-joined."""
     flat = jax.tree_util.tree_flatten_with_path(tree)[0]
-    return [("/".join(_key_str(k) for k in path), leaf) for path, leaf in flat]
+    return [("/".join(key_str(k) for k in path), leaf) for path, leaf in flat]
 
 
 def state_dims(

@@ -9,10 +9,15 @@ job agrees on, then calls ``exit_fn`` (by default ``sys.exit(42)``, the code
 the job starts again the handler restores the checkpoint as it is created,
 ``total_run_calls`` included, so the loop resumes exactly where it stopped.
 
+``total_run_calls`` keeps TF's name but counts steps: a function that runs
+several in one call (a ``jd.train_step(..., steps_per_execution=k)``) says how
+many in its ``last_call_steps`` attribute, and the handler saves at the end of
+a call, the step boundary it can reach.
+
 How the processes agree is in `jaxdist.experimental._preemption_agreement`:
-one process saves after the call in progress; several publish their call
-counts through the ``jax.distributed`` key-value store and save after the
-largest count plus one.
+one process saves after the call in progress; several publish how many
+``run`` calls they made through the ``jax.distributed`` key-value store and
+save after the call that follows the largest of them.
 
 `jaxdist.fit` takes a handler made with its `jaxdist.training.Checkpoint`
 callback (``preemption_handler=``): the same agreement, on fit's global step,
@@ -21,7 +26,8 @@ and the callback's save (state, data position, step counter, history).
 Left out of TF's: detecting the platform (Borg, GCE maintenance events);
 propagating an error in one process's step to the others (in jaxdist an
 uncaught error already ends the job, see `jaxdist.initialize`); and
-``save_checkpoint_if_preempted`` for multi-step calls.
+``save_checkpoint_if_preempted`` (a save inside a multi-step call: the state
+exists only at the end of the call, which is where the handler saves).
 """
 
 from __future__ import annotations
@@ -60,7 +66,12 @@ RESTART_EXIT_CODE = 42
 """The exit code of the default ``exit_fn``: "preempted, checkpoint saved, restart me"."""
 
 RUN_CALLS_ITEM = "total_run_calls"
-"""The item the handler adds to the checkpoint: its count of ``run`` calls."""
+"""The item the handler adds to the checkpoint: its count of steps (``run`` calls, or the
+steps they ran where the function has ``last_call_steps``)."""
+
+STEPS_ATTRIBUTE = "last_call_steps"
+"""The attribute of a function given to ``run`` that says how many steps its last call
+ran (`jaxdist.training.step.TrainStep` has it); without it, a call is one step."""
 
 WATCH_INTERVAL_S = 0.5
 """How often the watcher thread calls ``termination_watcher_fn`` (at least once a second)."""
@@ -156,7 +167,8 @@ class PreemptionCheckpointHandler:
 
     - `run` calls the training step and counts it (`total_run_calls`, which is
       saved in the checkpoint and restored, so a restarted loop knows where
-      it is);
+      it is); a call that runs several steps counts as that many (see
+      "Several steps per call" below);
     - on SIGTERM (a handler it installs, which also calls a Python SIGTERM
       handler installed before it; it replaces JAX's own preemption notifier),
       or once ``termination_watcher_fn`` returns True, every process of the
@@ -164,11 +176,23 @@ class PreemptionCheckpointHandler:
 
     One process saves after the call in progress when the notice comes (the
     next step boundary). Several agree through the ``jax.distributed``
-    key-value store: a process with a notice publishes its call count, every
-    process looks for such counts after each call (one non-blocking request)
-    and publishes its own, and all save after the largest count plus one. So
-    every process must call `run` once per training step, the same number of
-    times.
+    key-value store: a process with a notice publishes how many `run` calls it
+    made, every process looks for such counts after each call (one
+    non-blocking request) and publishes its own, and all save after the call
+    that follows the largest count. So every process must call `run` once per
+    training step (or group of steps), the same number of times.
+
+    Several steps per call: ``total_run_calls`` keeps TF's name but counts
+    steps. When the function given to `run` has an attribute
+    ``last_call_steps`` (a ``jd.train_step(..., steps_per_execution=k)`` has:
+    k, or fewer for the last group of the data), the handler adds it after
+    each call instead of 1, and saves at the end of a call (the state exists
+    only there), which every process reaches after the same steps. A function
+    that wraps such a step passes the count on::
+
+        def step():
+            ckpt.state = train(ckpt.state, ckpt.data)  # up to k batches from the iterator
+            step.last_call_steps = train.last_call_steps
 
     The checkpoint must hold everything a step changes, including the data
     iterator (its position) and functional state rebound after each step
@@ -233,7 +257,9 @@ class PreemptionCheckpointHandler:
         self._save_fn = config.save_fn
         self._grace_period = float(config.grace_period or 0.0)
 
-        self._run_counter = 0
+        self._run_counter = 0  # steps, restored from the checkpoint
+        self._calls = 0  # run() calls (or fit steps) since this handler was made
+        self._last_steps = 1  # the steps of the last call
         self.restored_from: str | None = None
         if self._manager is not None:
             self._restore()
@@ -349,14 +375,15 @@ class PreemptionCheckpointHandler:
         that a process waiting for it is not kept waiting (the job has no step left)."""
         with contextlib.suppress(Exception):
             if self._published is None and self._agreement.peers_noticed(self._round):
-                self._agreement.publish(self._round, self._run_counter)
+                self._agreement.publish(self._round, self._calls)
 
     # Running -----------------------------------------------------------------------------
 
     @property
     def total_run_calls(self) -> int:
-        """How many times `run` was called, counting the calls before the restart that the
-        restored checkpoint holds. With one step per call: the steps done, so
+        """How many steps `run` ran, counting those before the restart that the restored
+        checkpoint holds (TF's name): one per call, or the function's
+        ``last_call_steps`` after each call where it has that attribute. So
         ``total_run_calls // steps_per_epoch`` is the epoch to resume at."""
         return self._run_counter
 
@@ -365,11 +392,15 @@ class PreemptionCheckpointHandler:
         returns its result; then, if a preemption round is under way, takes this
         process's part in it (which may save the checkpoint and call ``exit_fn``).
 
-        Call it once per training step, in every process.
+        Call it once per training step (or group of steps), in every process. A
+        ``distributed_train_function`` with an attribute ``last_call_steps`` (a
+        ``jd.train_step(..., steps_per_execution=k)``) adds that many steps to
+        `total_run_calls` after each call; any other adds 1.
 
         Raises:
             RuntimeError: the ``termination_watcher_fn`` raised (chained), or a
                 process did not reach the agreed step (see the message).
+            TypeError: the function's ``last_call_steps`` is not an int >= 1.
             ValueError: the handler was made with a `jaxdist.training.Checkpoint`
                 callback (it is for `jaxdist.fit`).
         """
@@ -382,7 +413,9 @@ class PreemptionCheckpointHandler:
             )
         self._raise_watcher_error("run")
         result = distributed_train_function(*args, **kwargs)
-        self._counted(self._run_counter + 1)
+        steps = _steps_of(distributed_train_function)
+        self._last_steps = steps
+        self._counted(self._run_counter + steps)
         return result
 
     def _fit_step_end(self, step: int) -> None:
@@ -402,8 +435,9 @@ class PreemptionCheckpointHandler:
             ) from error
 
     def _counted(self, count: int) -> None:
-        """A step completed: ``count`` steps now (run() calls, or fit's global step)."""
+        """A call completed: ``count`` steps now (counted by run(), or fit's global step)."""
         self._run_counter = count
+        self._calls += 1
         if self._checkpoint is not None:
             setattr(self._checkpoint, RUN_CALLS_ITEM, count)
         if self._grace_period:
@@ -431,7 +465,9 @@ class PreemptionCheckpointHandler:
         yield
 
     def _after_call(self) -> None:
-        count = self._run_counter
+        # The processes agree on a call, not a step count: they run the same calls, each
+        # of the same steps, but the next call's steps are unknown (a short last group).
+        count = self._calls
         if self._published is None:
             if not self._round_begun():
                 return
@@ -445,9 +481,10 @@ class PreemptionCheckpointHandler:
             return
         if count > self._target:  # only a run() call outside the training loop can do this
             raise RuntimeError(
-                f"{_WHERE}.run: process {self._me} made {count} run() calls, past the "
-                f"{self._target} at which every process saves; each process must call run() "
-                "once per training step, the same number of times."
+                f"{_WHERE}.run: process {self._me} made {count} run() calls since the handler "
+                f"was made, past the {self._target} after which every process saves; each "
+                "process must call run() once per training step (or group of steps), the "
+                "same number of times."
             )
         self._save_and_exit()
 
@@ -472,8 +509,15 @@ class PreemptionCheckpointHandler:
             saved = f"saved {self._manager.save()}"
             self._manager.wait_until_finished()  # an asynchronous manager: written before exit
         self.last_save_seconds = time.monotonic() - start
-        call = "step" if self._fit_checkpoint is not None else "run() call"
-        what = f"{saved} after {call} {self._run_counter}"
+        if self._fit_checkpoint is not None:
+            what = f"{saved} after step {self._run_counter}"
+        elif self._last_steps == 1:
+            what = f"{saved} after run() call {self._run_counter}"
+        else:
+            what = (
+                f"{saved} after step {self._run_counter} (the end of a run() call of "
+                f"{self._last_steps} steps)"
+            )
         self._round += 1
         self._published = self._target = None
         if self._grace_period and not self._countdown:
@@ -502,13 +546,27 @@ def _say(process: int, message: str) -> None:
           flush=True)  # fmt: skip
 
 
+def _steps_of(fn: Any) -> int:
+    """The steps ``fn``'s last call ran: its ``last_call_steps``, or 1 without it."""
+    steps = getattr(fn, STEPS_ATTRIBUTE, 1)
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise TypeError(
+            f"{_WHERE}.run: {getattr(fn, '__name__', repr(fn))}.{STEPS_ATTRIBUTE} is "
+            f"{steps!r}; the handler reads it after each call as the number of steps that "
+            "call ran (an int >= 1). Set it to the steps run (a wrapper of a "
+            "jd.train_step: `fn.last_call_steps = train.last_call_steps`), or remove it "
+            "to count one step per call."
+        )
+    return steps
+
+
 def _count(value: Any) -> int:
     try:
         return int(value)
     except (TypeError, ValueError):
         raise ValueError(
             f"{_WHERE}: the checkpoint's {RUN_CALLS_ITEM!r} item is {value!r}, not a count; the "
-            "handler keeps its count of run() calls in that item, so leave the name to it."
+            "handler keeps its count of steps in that item, so leave the name to it."
         ) from None
 
 

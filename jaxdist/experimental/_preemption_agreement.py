@@ -2,8 +2,16 @@
 
 Used by `PreemptionCheckpointHandler`. A *round* is one agreement: the save
 after a preemption notice, or, with a grace period, the final save before the
-deadline. Each process counts its ``run`` calls; the handler asks, after every
-call, whether a round has begun, and once it has, which count to save at.
+deadline. Each process counts its ``run`` calls since its handler was made; the
+handler asks, after every call, whether a round has begun, and once it has,
+after which call to save.
+
+Calls, not steps: a call may run several steps (``steps_per_execution``), and
+the step count after the next call is not known in advance (the last group of
+the data is shorter), so ``max(steps) + 1`` may fall inside a call and a
+guessed ``max(steps) + k`` past the end of the data. The processes run the
+same calls, each of the same steps, so at the agreed call the step count is
+the same in every process; that is what is saved as ``total_run_calls``.
 
 One process (`LocalAgreement`): its own notice decides, and it saves at once,
 after the call that just finished.

@@ -246,7 +246,14 @@ class _StepProgram:
 
 
 class TrainStep:
-    """A compiled data-parallel training step (made by `train_step`)."""
+    """A compiled data-parallel training step (made by `train_step`).
+
+    Attributes:
+        last_call_steps: how many steps the last call ran: 1, or with
+            ``steps_per_execution`` the batches it took (fewer than k at the end
+            of the data); 0 before the first call. A
+            `jaxdist.experimental.PreemptionCheckpointHandler` counts steps by it.
+    """
 
     def __init__(
         self,
@@ -278,6 +285,7 @@ class TrainStep:
         self._programs: dict[Any, _StepProgram] = {}
         self._caches: dict[tuple[int, ...], StateCache] = {}
         self._last: tuple[Any, ...] | None = None
+        self.last_call_steps = 0
         name = getattr(fn, "__name__", "step")
         self._where = f"jaxdist.train_step({name})"
         functools.update_wrapper(self, fn)
@@ -484,6 +492,7 @@ class TrainStep:
         (pos,) = where
         batches = list(itertools.islice(leaves[pos], self.steps_per_execution))
         if not batches:
+            self.last_call_steps = 0
             raise StopIteration
         state_at = [i for i, x in enumerate(leaves) if isinstance(x, TrainState)]
         outs: list[tuple[Any, int]] = []
@@ -505,6 +514,7 @@ class TrainStep:
                 new, _, _, _ = take_states(out, len(state_at), self._where)
                 for i, state in zip(state_at, new, strict=True):
                     leaves[i] = state
+        self.last_call_steps = len(batches)
         return outs, len(state_at)
 
     def _call_one(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -526,6 +536,7 @@ class TrainStep:
                     out,
                     is_leaf=lambda x: isinstance(x, _ObjectRef),
                 )
+        self.last_call_steps = 1
         return out
 
     def lower(self, *args: Any, **kwargs: Any) -> LoweredStep:

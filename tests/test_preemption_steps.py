@@ -33,18 +33,18 @@ BATCH, BATCHES, K, LR = 16, 11, 4, 0.1  # groups of 4, 4 and 3 steps
 REF = {"rtol": 1e-5, "atol": 1e-6}
 
 
-def _data() -> tuple[np.ndarray, np.ndarray]:
+def _data(batches: int = BATCHES) -> tuple[np.ndarray, np.ndarray]:
     rng = np.random.default_rng(0)
-    x = rng.normal(size=(BATCH * BATCHES, 4)).astype(np.float32)
+    x = rng.normal(size=(BATCH * batches, 4)).astype(np.float32)
     y = (x @ np.array([1.0, -2.0, 0.5, 3.0], np.float32)).astype(np.float32)
     return x, y
 
 
-def _reference() -> np.ndarray:
+def _reference(batches: int = BATCHES) -> np.ndarray:
     """Plain SGD on one device, float64, batch after batch."""
-    x, y = (a.astype(np.float64) for a in _data())
+    x, y = (a.astype(np.float64) for a in _data(batches))
     w = np.zeros(4)
-    for i in range(BATCHES):
+    for i in range(batches):
         bx, by = x[i * BATCH : (i + 1) * BATCH], y[i * BATCH : (i + 1) * BATCH]
         w = w - LR * 2.0 * bx.T @ (bx @ w - by) / BATCH
     return w
@@ -203,3 +203,90 @@ def test_a_bad_last_call_steps_is_refused(tmp_path: Path, value: Any) -> None:
     with pytest.raises(TypeError, match=r"run: step\.last_call_steps is .*an int >= 1"):
         handler.run(step)
     assert handler.total_run_calls == 0
+
+
+# Two processes: the agreement on a call ------------------------------------------------------
+
+_TWO = textwrap.dedent(
+    """
+    import json, sys, threading, time
+    import jax
+    jax.config.update("jax_num_cpu_devices", 4)
+    jax.distributed.initialize(
+        coordinator_address=f"127.0.0.1:{sys.argv[2]}", num_processes=2,
+        process_id=int(sys.argv[1]), initialization_timeout=60,
+    )
+    import jax.numpy as jnp
+    import numpy as np
+    import optax
+    import jaxdist as jd
+
+    me = jax.process_index()
+    strategy = jd.MultiWorkerMirroredStrategy()
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(16 * 11, 4)).astype(np.float32)[: 16 * 8]  # 8 batches: 3, 3, 2
+    y = (x @ np.array([1.0, -2.0, 0.5, 3.0], np.float32)).astype(np.float32)
+    dataset = strategy.experimental_distribute_dataset(
+        jd.data.from_arrays(x, y, batch_size=16))
+
+    def fresh_state():
+        with strategy.scope():
+            return jd.TrainState.create(
+                apply_fn=None, params={"w": jnp.zeros(4)}, tx=optax.sgd(0.1))
+
+    @jd.train_step(strategy, steps_per_execution=3)
+    def train(ctx, state, batch):
+        bx, by = batch
+        loss = lambda p: jd.compute_average_loss((bx @ p["w"] - by) ** 2)
+        return state.apply_gradients(grads=ctx.all_reduce("sum", jax.grad(loss)(state.params)))
+
+    ckpt = jd.checkpoint.Checkpoint(state=fresh_state(), data=iter(dataset))
+    notice, exits, calls = threading.Event(), [], [0]
+    handler = jd.experimental.PreemptionCheckpointHandler(
+        strategy.cluster_resolver, ckpt, DIRECTORY,
+        jd.experimental.TerminationConfig(
+            termination_watcher_fn=notice.is_set,
+            exit_fn=lambda: exits.append(handler.total_run_calls)))
+
+    def step():
+        ckpt.state = jax.block_until_ready(train(ckpt.state, ckpt.data))
+        step.last_call_steps = train.last_call_steps
+        calls[0] += 1
+        if me == 0 and calls[0] == 2:
+            # Process 1 publishes as its second call returns; process 0 looks for it
+            # after its own second call: this pause makes it see it then, not a call later.
+            time.sleep(2.0)
+
+    handler.run(step)
+    if me == 1:
+        notice.set()  # process 1 alone gets the notice, after the first group
+    time.sleep(2.0)  # its watcher sees it before the second group ends
+    while True:
+        try:
+            handler.run(step)
+        except StopIteration:
+            break
+    again = jd.checkpoint.Checkpoint(state=fresh_state(), data=iter(dataset), total_run_calls=0)
+    jd.checkpoint.CheckpointManager(again, DIRECTORY).restore_or_initialize()
+    print(json.dumps({
+        "exits": exits, "total": handler.total_run_calls,
+        "w": np.asarray(ckpt.state.params["w"]).tolist(),
+        "saved_total": int(again.total_run_calls),
+        "saved_w": np.asarray(again.state.params["w"]).tolist()}))
+    jax.distributed.shutdown()
+    """
+)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_two_processes_save_after_the_same_call_the_short_last_group(tmp_path: Path) -> None:
+    # Process 1's notice comes after the first group: both publish 2 calls (6 steps), and
+    # save after the third call, the short last group: step 8, not 6 + 1 (inside a call).
+    results = run_workers(_TWO.replace("DIRECTORY", repr(str(tmp_path))), timeout=100)
+    expected = _reference(8)
+    for r in results:
+        assert r["exits"] == [8] and r["total"] == 8 and r["saved_total"] == 8
+        np.testing.assert_allclose(r["w"], expected, **REF)
+        np.testing.assert_array_equal(r["saved_w"], r["w"])  # saved after the last step
+    assert results[0]["w"] == results[1]["w"]

@@ -20,7 +20,7 @@ one process saves after the call in progress; several publish how many
 save after the call that follows the largest of them.
 
 `jaxdist.fit` takes a handler made with its `jaxdist.training.Checkpoint`
-callback (``preemption_handler=``): the same agreement, on fit's global step,
+callback (``preemption_handler=``): the same agreement (fit calls it once a step),
 and the callback's save (state, data position, step counter, history).
 
 Left out of TF's: detecting the platform (Borg, GCE maintenance events);

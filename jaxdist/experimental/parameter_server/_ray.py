@@ -20,7 +20,10 @@ that rule (``ray_constants.ENABLE_RAY_CLUSTER``, which the
 its `ray.init` call: the node address stays ``127.0.0.1`` and every listening socket of the
 runtime is on 127.0.0.1 (IPv6 sockets on ``::ffff:127.0.0.1``). The switch matters only
 while the head node starts; processes Ray starts later take the node address from the
-raylet. A runtime the caller starts or connects to is left as the caller made it.
+raylet. "Dashboard off" is ``include_dashboard=False``: no web UI and no dashboard address;
+Ray still runs its dashboard head process with ``--minimal --disable-frontend`` for its
+internal modules, on loopback like the rest. A runtime the caller starts or connects to is
+left as the caller made it.
 
 Actors do not inherit the driver's ``sys.path``, so every actor gets a ``runtime_env`` whose
 ``PYTHONPATH`` leads with the directory this jaxdist was imported from. Its JAX runs on the

@@ -9,6 +9,7 @@ closures (integers).
 from __future__ import annotations
 
 import concurrent.futures
+import itertools
 import os
 import signal
 import subprocess
@@ -274,6 +275,29 @@ def test_per_worker_dataset_and_values(strategy: Any) -> None:
         c.schedule(take, args=(iterator, PerWorkerValues([0, 1])))
     with pytest.raises(TypeError, match="schedule"):
         next(iterator)
+
+
+def test_current_worker_index(strategy: Any) -> None:
+    """TF's experimental_get_current_worker_index, in a scheduled strategy.function, a
+    jax.jit function and a per-worker dataset_fn; the reference is the running worker's
+    entry of PerWorkerValues([0, 1, 2])."""
+    c = ClusterCoordinator(strategy)
+    index = jd.coordinator.experimental_get_current_worker_index
+
+    def dataset_fn() -> Any:
+        return itertools.repeat(np.int32(index()))  # read when the worker makes its copy
+
+    iterator = iter(c.create_per_worker_dataset(dataset_fn))
+    expected = PerWorkerValues([0, 1, 2])
+    step = strategy.function(lambda ctx, element, want: (jnp.int32(index()), element, want))
+    jitted = jax.jit(lambda want: (jnp.int32(index()), want, want))
+    results = [c.schedule(step, args=(iterator, expected)) for _ in range(9)]
+    results += [c.schedule(jitted, args=(expected,)) for _ in range(9)]
+    c.join()
+    got = [tuple(int(x) for x in r.fetch()) for r in results]
+    assert all(i == element == want for i, element, want in got), got
+    with pytest.raises(RuntimeError, match="no worker closure is running here"):
+        index()
 
 
 def test_on_read_and_only_first_replica_counts(strategy: Any) -> None:

@@ -54,3 +54,16 @@ def test_lazy_names() -> None:
     assert PerWorkerValues([1, 2]).values == (1, 2)
     with pytest.raises(ValueError, match="one value per worker"):
         PerWorkerValues([])
+
+
+def test_current_worker_index_outside_a_closure() -> None:
+    from jaxdist.experimental.parameter_server.coordinator_context import dispatch
+
+    index = jd.coordinator.experimental_get_current_worker_index
+    assert index is jd.experimental.coordinator.experimental_get_current_worker_index
+    with pytest.raises(RuntimeError, match=r"experimental_get_current_worker_index\(\).*schedule"):
+        index()
+    with dispatch(2):  # what a worker does around each closure
+        assert index() == 2
+    with pytest.raises(RuntimeError, match="no worker closure"):
+        index()

@@ -395,7 +395,6 @@ NOT_YET = [
     (jd, "get_loss_reduction"),
     (jd.experimental, "CollectiveCommunication"),
     (jd.experimental, "rpc"),
-    (jd.coordinator, "experimental_get_current_worker_index"),
     (jd.cluster_resolver, "GCEClusterResolver"),
     (jd.Strategy, "make_dataset_iterator"),
     (jd.Strategy, "make_input_fn_iterator"),

@@ -4,7 +4,8 @@
 One concept per module: ``strategy`` (the strategy and variable placement), ``ps`` (the
 parameter-server actor), ``worker`` (the worker actor), ``coordinator`` (scheduling),
 ``closures`` (the queue and its error rules), ``values`` (remote and per-worker values),
-``variables`` (variable handles), ``server`` (`Server`).
+``variables`` (variable handles), ``coordinator_context`` (the current worker index),
+``server`` (`Server`).
 """
 
 from jaxdist.experimental.parameter_server.coordinator import ClusterCoordinator

@@ -2,8 +2,28 @@
 environment every jaxdist actor starts with.
 
 Ray is the optional extra ``jaxdist[ps]``. jaxdist uses the caller's Ray runtime when one is
-running (``ray.init(address=...)`` for a cluster), and otherwise starts a local one bound to
-loopback with the dashboard off. It never shuts Ray down: the runtime is the caller's.
+running (``ray.init(address=...)`` for a cluster, or ``RAY_ADDRESS``), and otherwise starts a
+local one (`start_local`) bound to loopback with the dashboard off. It never shuts Ray down:
+the runtime is the caller's.
+
+Loopback, checked with Ray 2.60: ``ray.init(_node_ip_address="127.0.0.1")`` alone is not
+enough, because `ray.init` passes the node address through
+``ray._private.services.resolve_ip_for_localhost``, which swaps a loopback address for the
+machine's routable one wherever multi-node clusters are enabled (Linux; macOS and Windows
+keep loopback). With that address the GCS, the raylet's two ports, every worker's and
+actor's RPC port and an agent's port listen on every interface (``::`` or ``0.0.0.0``),
+the runtime-env agent on the machine's address: all reachable from other hosts (Ray's
+token authentication, on by default in 2.60, is what guards them). With the node address
+127.0.0.1 each of them listens on loopback only, so `start_local` sets Ray's own switch for
+that rule (``ray_constants.ENABLE_RAY_CLUSTER``, which the
+``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER`` variable sets at import) to false for the length of
+its `ray.init` call: the node address stays ``127.0.0.1`` and every listening socket of the
+runtime is on 127.0.0.1 (IPv6 sockets on ``::ffff:127.0.0.1``). The switch matters only
+while the head node starts; processes Ray starts later take the node address from the
+raylet. "Dashboard off" is ``include_dashboard=False``: no web UI and no dashboard address;
+Ray still runs its dashboard head process with ``--minimal --disable-frontend`` for its
+internal modules, on loopback like the rest. A runtime the caller starts or connects to is
+left as the caller made it.
 
 Actors do not inherit the driver's ``sys.path``, so every actor gets a ``runtime_env`` whose
 ``PYTHONPATH`` leads with the directory this jaxdist was imported from. Its JAX runs on the
@@ -37,6 +57,7 @@ __all__ = [
     "cloudpickle",
     "ensure_ray",
     "ray",
+    "start_local",
 ]
 
 # The directory holding the `jaxdist` package this process imported.
@@ -66,13 +87,34 @@ def ensure_ray() -> None:
 
 
 def _init() -> None:
-    ray.init(
-        address=os.environ.get("RAY_ADDRESS") or "local",
-        include_dashboard=False,
-        _node_ip_address="127.0.0.1",
-        configure_logging=False,
-        log_to_driver=True,
-    )
+    address = os.environ.get("RAY_ADDRESS")
+    if address:  # the caller's runtime
+        ray.init(address=address, configure_logging=False, log_to_driver=True)
+    else:
+        start_local()
+
+
+def start_local(**kwargs: Any) -> None:
+    """Starts a new local Ray runtime listening on loopback only, dashboard off.
+
+    ``kwargs`` go to `ray.init` (``num_cpus=`` for example). See the module docstring for
+    why Ray's cluster switch is off while the head node starts.
+    """
+    from ray._private import ray_constants  # Ray's switch; read by resolve_ip_for_localhost
+
+    enabled = ray_constants.ENABLE_RAY_CLUSTER
+    ray_constants.ENABLE_RAY_CLUSTER = False
+    try:
+        ray.init(
+            address="local",
+            include_dashboard=False,
+            _node_ip_address="127.0.0.1",
+            configure_logging=False,
+            log_to_driver=True,
+            **kwargs,
+        )
+    finally:
+        ray_constants.ENABLE_RAY_CLUSTER = enabled
 
 
 def actor_env(overrides: dict[str, str] | None = None) -> dict[str, Any]:

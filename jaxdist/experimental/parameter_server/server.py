@@ -6,7 +6,10 @@ own machine. Here the "server" is a Ray node: `Server.start` runs ``ray start
 ``jaxdist_<job>_<index>``; `ParameterServerStrategy` then places that task's actor on this
 node. The head (the coordinator's Ray runtime) is the ``chief`` address of the cluster
 spec, as ``host:port`` (``ray.get_runtime_context().gcs_address`` on the coordinator), or
-the ``RAY_ADDRESS`` environment variable when the spec has no chief.
+the ``RAY_ADDRESS`` environment variable when the spec has no chief. The coordinator
+starts that runtime itself (``ray.init()``): the one jaxdist starts when none is running
+listens on loopback only, and ``ray start`` cannot join it (it dials the machine's address
+for a loopback one).
 """
 
 from __future__ import annotations

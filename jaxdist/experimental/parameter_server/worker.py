@@ -8,7 +8,8 @@ the next element of its own iterators, and calls the function, compiled here onc
 function. Every variable in the result that differs from what was read goes back to its
 parameter server as a delta (``new - old``; a plain value for booleans), one atomic call
 per server, before the closure counts as done. The result comes back as host arrays, with
-updated variables replaced by their handles.
+updated variables replaced by their handles. While it runs a closure, the worker's task
+index is the current worker index (`coordinator_context`).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import jax
 import numpy as np
 
 from jaxdist.experimental.parameter_server._ray import RayActorError, cloudpickle, ray
+from jaxdist.experimental.parameter_server.coordinator_context import dispatch
 from jaxdist.experimental.parameter_server.values import PerWorkerIterator
 from jaxdist.experimental.parameter_server.variables import (
     ParameterServerVariable,
@@ -55,6 +57,10 @@ class Worker:
         return str(ray.get_runtime_context().get_node_id())
 
     def run(self, fn_key: str, fn_ref: list[Any], args: Any, kwargs: Any) -> Any:
+        with dispatch(self._task_index):  # experimental_get_current_worker_index()
+            return self._run(fn_key, fn_ref, args, kwargs)
+
+    def _run(self, fn_key: str, fn_ref: list[Any], args: Any, kwargs: Any) -> Any:
         fn = self._functions.get(fn_key)
         if fn is None:
             fn = cloudpickle.loads(ray.get(fn_ref[0]))

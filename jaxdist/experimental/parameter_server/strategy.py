@@ -82,6 +82,8 @@ class _CoordinatorHolder:
     coordinator: Any = None
 
 
+_START_TIMEOUT = 180.0  # seconds for the actors to answer their first ping
+
 class ParameterServerStrategyExtended:
     """``strategy.extended``: the actors of the tasks, in task order, and their devices."""
 
@@ -158,7 +160,18 @@ class ParameterServerStrategy:
         resources = ray.cluster_resources()
         ps = tuple(self._actor(ParameterServer, "ps", i, resources, 0) for i in range(num_ps))
         workers = tuple(self._actor(Worker, "worker", i, resources, -1) for i in range(num_workers))
-        ray.get([a.ping.remote() for a in (*ps, *workers)])  # started, or raise now
+        actors = (*ps, *workers)
+        try:  # started, or raise now
+            ray.get([a.ping.remote() for a in actors], timeout=_START_TIMEOUT)
+        except ray.exceptions.GetTimeoutError:
+            for actor in actors:
+                ray.kill(actor, no_restart=True)
+            raise RuntimeError(
+                f"ParameterServerStrategy: the {num_ps} ps and {num_workers} worker actors did "
+                f"not all start within {_START_TIMEOUT:g} s (Ray could not place or start "
+                "them: check ray.cluster_resources(), or that the jd.Server tasks have joined); "
+                "stopped them."
+            ) from None
         s = object.__setattr__
         s(self, "_resolver", cluster_resolver)
         s(self, "_partitioner", variable_partitioner)

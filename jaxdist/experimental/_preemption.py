@@ -34,8 +34,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import dataclasses
-import math
 import os
 import signal
 import sys
@@ -58,12 +56,15 @@ from jaxdist.experimental._preemption_agreement import (
     KeyValueAgreement,
     LocalAgreement,
 )
+from jaxdist.experimental._termination import (
+    RESTART_EXIT_CODE,
+    TerminationConfig,
+    check_config,
+    default_exit,
+)
 from jaxdist.training.checkpoints import Checkpoint as FitCheckpoint
 
 __all__ = ["RESTART_EXIT_CODE", "PreemptionCheckpointHandler", "TerminationConfig"]
-
-RESTART_EXIT_CODE = 42
-"""The exit code of the default ``exit_fn``: "preempted, checkpoint saved, restart me"."""
 
 RUN_CALLS_ITEM = "total_run_calls"
 """The item the handler adds to the checkpoint: its count of steps (``run`` calls, or the
@@ -77,68 +78,6 @@ WATCH_INTERVAL_S = 0.5
 """How often the watcher thread calls ``termination_watcher_fn`` (at least once a second)."""
 
 _WHERE = "jaxdist.experimental.PreemptionCheckpointHandler"
-
-
-def _default_exit() -> None:
-    sys.exit(RESTART_EXIT_CODE)
-
-
-@dataclasses.dataclass(frozen=True)
-class TerminationConfig:
-    """How a `PreemptionCheckpointHandler` learns of, and reacts to, a coming termination.
-
-    Args:
-        termination_watcher_fn: a function returning True once a termination
-            notice is available (for example by polling the platform's metadata
-            server). The handler calls it from a daemon thread every
-            `WATCH_INTERVAL_S` seconds; it must return quickly. Without it the
-            handler treats SIGTERM as the notice.
-        exit_fn: called after the checkpoint is saved. The default,
-            ``sys.exit(42)``, asks for a restart (``python -m jaxdist.launch
-            --max-restarts K`` restarts such a job without counting it against
-            ``K``). An ``exit_fn`` that returns lets training go on; the handler
-            then watches for the next notice.
-        grace_period: seconds between the notice and the termination. With a
-            positive value the handler saves at once, lets training go on, saves
-            again shortly before the deadline (leaving the first save's duration
-            plus three steps' time), and then calls ``exit_fn``. ``None`` or 0:
-            save once and exit.
-        save_fn: called instead of the handler's own save (which saves the
-            checkpoint through its `CheckpointManager`). It runs in every process
-            at the agreed step; the checkpoint's ``total_run_calls`` item is up to
-            date when it runs.
-
-    Example:
-        >>> import jaxdist as jd
-        >>> config = jd.experimental.TerminationConfig(grace_period=30, exit_fn=lambda: None)
-        >>> config.grace_period
-        30
-    """
-
-    termination_watcher_fn: Callable[[], bool] | None = None
-    exit_fn: Callable[[], Any] | None = None
-    grace_period: float | None = None
-    save_fn: Callable[[], Any] | None = None
-
-    def __post_init__(self) -> None:
-        for name in ("termination_watcher_fn", "exit_fn", "save_fn"):
-            fn = getattr(self, name)
-            if fn is not None and not callable(fn):
-                raise TypeError(
-                    f"jaxdist.experimental.TerminationConfig: {name} must be a function taking "
-                    f"no arguments, or None; got {type(fn).__name__} {fn!r}."
-                )
-        grace = self.grace_period
-        if grace is not None and (isinstance(grace, bool) or not isinstance(grace, (int, float))):
-            raise TypeError(
-                "jaxdist.experimental.TerminationConfig: grace_period must be a number of "
-                f"seconds or None, got {type(grace).__name__} {grace!r}."
-            )
-        if grace is not None and not (math.isfinite(grace) and grace >= 0):
-            raise ValueError(
-                "jaxdist.experimental.TerminationConfig: grace_period must be finite and >= 0 "
-                f"(seconds from the notice to the termination), got {grace!r}."
-            )
 
 
 class PreemptionCheckpointHandler:
@@ -235,7 +174,7 @@ class PreemptionCheckpointHandler:
         checkpoint_dir: str | os.PathLike[str] | None = None,
         termination_config: TerminationConfig | None = None,
     ) -> None:
-        config = _check_config(termination_config)
+        config = check_config(termination_config)
         # fit's Checkpoint callback, when fit saves (then there is no manager of its own).
         self._fit_checkpoint = _fit_callback(checkpoint_or_checkpoint_manager, checkpoint_dir)
         if self._fit_checkpoint is not None and config.save_fn is not None:
@@ -253,7 +192,7 @@ class PreemptionCheckpointHandler:
         self._agreement = _agreement(cluster_resolver)
         self._me = jax.process_index()
         self._watcher_fn = config.termination_watcher_fn
-        self._exit_fn = config.exit_fn or _default_exit
+        self._exit_fn = config.exit_fn or default_exit
         self._save_fn = config.save_fn
         self._grace_period = float(config.grace_period or 0.0)
 
@@ -568,17 +507,6 @@ def _count(value: Any) -> int:
             f"{_WHERE}: the checkpoint's {RUN_CALLS_ITEM!r} item is {value!r}, not a count; the "
             "handler keeps its count of steps in that item, so leave the name to it."
         ) from None
-
-
-def _check_config(config: Any) -> TerminationConfig:
-    if config is None:
-        return TerminationConfig()
-    if not isinstance(config, TerminationConfig):
-        raise TypeError(
-            f"{_WHERE}: termination_config must be a jaxdist.experimental.TerminationConfig or "
-            f"None, got {type(config).__name__}."
-        )
-    return config
 
 
 def _fit_callback(item: Any, checkpoint_dir: str | os.PathLike[str] | None) -> FitCheckpoint | None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 import platform
 import random
@@ -26,6 +27,11 @@ def describe_machine() -> str:
 
 
 def seconds_per_call(fn: Callable[[], object], calls: int) -> float:
+    """Seconds per call of ``fn`` over ``calls`` calls, after one untimed call (its caches
+    warm again after other candidates ran) and a garbage collection (a neighbour's garbage
+    is not collected on this candidate's time; collections its own calls cause are)."""
+    fn()
+    gc.collect()
     start = time.perf_counter()
     for _ in range(calls):
         fn()

@@ -28,10 +28,12 @@ groups of k global batches placed as one ``(replicas, k, b, ...)`` array per lea
 
 - the hand-written loop: k host batches stacked (one host copy) and one ``device_put``
   per leaf and group;
-- jaxdist's grouped train step: k batches from the distributed dataset (each placed,
-  prefetched) and one stacking program per group on the devices (what
-  ``jd.train_step(..., steps_per_execution=k)`` does with them);
-- for reference, the k batches from the distributed dataset without the stacking.
+- jaxdist's grouped train step: the distributed iterator stacks each group's host
+  batches once and places them in one transfer per leaf, the next group prefetched
+  (what ``jd.train_step(..., steps_per_execution=k)`` does with the iterator);
+- for reference, the k batches taken one by one from the distributed dataset (each
+  placed, prefetched), then stacked by one program on the devices (the route for a
+  plain iterator of placed batches), and the k placed batches without the stacking.
 
 Usage: ``python benchmarks/input_pipeline.py [rounds] [passes per round]`` or
 ``python benchmarks/input_pipeline.py --groups [k]``.
@@ -212,7 +214,7 @@ def main(rounds: int, passes: int) -> None:
 
 def groups(k: int, rounds: int = 15) -> None:
     """Groups of ``k`` batches for ``steps_per_execution=k``: placed as one array per leaf."""
-    from jaxdist.training._grouped import runs, stack_batches  # the train step's own path
+    from jaxdist.training._grouped import plan_runs  # the train step's own path
 
     strategy = jd.MirroredStrategy()
     n = strategy.num_replicas_in_sync
@@ -240,14 +242,17 @@ def groups(k: int, rounds: int = 15) -> None:
         jd.data.from_arrays(x, y, batch_size=BATCH, drop_remainder=True)
     )
 
-    def grouped(stack: bool) -> Callable[[], int]:
+    def grouped(how: str) -> Callable[[], int]:
         def loop() -> int:
             it, last = iter(dataset), None
             for _ in range(count):
+                if how == "group":  # what the grouped train step does with the iterator
+                    ((last, steps),) = plan_runs(it, k)
+                    assert steps == k
+                    continue
                 batches = [next(it) for _ in range(k)]
-                if stack:
-                    (run,) = runs(batches)
-                    last = stack_batches(run).tree
+                if how == "stack":  # the same batches placed one by one, then stacked
+                    ((last, steps),) = plan_runs(iter(batches), k)
                 else:
                     last = batches[-1]
             jax.block_until_ready(last)
@@ -257,8 +262,9 @@ def groups(k: int, rounds: int = 15) -> None:
 
     loops = {
         "hand: host stack, one device_put a group": hand,
-        "jd: k placed batches + one stacking program": grouped(True),
-        "jd: k placed batches, not stacked": grouped(False),
+        "jd: one placed group (the train step's path)": grouped("group"),
+        "jd: k placed batches + one stacking program": grouped("stack"),
+        "jd: k placed batches, not stacked": grouped("none"),
     }
     base = "hand: host stack, one device_put a group"
     samples = _harness.sample(loops, calls=1, rounds=rounds, warmup=1)

@@ -74,7 +74,10 @@ class Program:
         elif opts.donate_argnums:
             nums = cast(tuple[int, ...], opts.donate_argnums)  # a tuple: RunOptions made it
             self.jitted = jax.jit(_some_donated(program, nums), donate_argnums=0, **jit_kwargs)
-            self.call = _donating_some(self.jitted, nums, where)
+            flat = jax.jit(
+                _flat_donated(program, nums), static_argnums=0, donate_argnums=1, **jit_kwargs
+            )
+            self.call = _donating_some(self.jitted, flat, nums, where)
         else:
             self.jitted = jax.jit(program, **jit_kwargs)
             self.call = self.jitted
@@ -174,6 +177,19 @@ def _split_donated(
     return donated, kept, kwargs, counts
 
 
+def _deleted(x: Any) -> bool:
+    return type(x) is _ARRAY and x.is_deleted()
+
+
+def _leaves_deleted(leaves: list[Any]) -> bool:
+    """Whether an array among ``leaves`` was deleted (donated): one C-level pass when
+    they are all concrete arrays (the usual case), else one test per leaf."""
+    try:
+        return any(map(_ARRAY.is_deleted, leaves))
+    except TypeError:  # a leaf of another type (a NumPy array, a Python number)
+        return any(map(_deleted, leaves))
+
+
 def _any_deleted(tree: Any) -> bool:
     """Whether an array of ``tree`` was deleted (donated); one C-level pass over them."""
     arrays = [x for x in jax.tree.leaves(tree) if type(x) is _ARRAY]
@@ -200,15 +216,51 @@ def _some_donated(
     return split
 
 
+def _flat_donated(
+    program: Callable[[Any, Any], Any], nums: tuple[int, ...]
+) -> Callable[[Any, list[Any], tuple[Any, ...], Any], Any]:
+    """``program`` taking the donated arguments as their flat leaves (after their tree
+    structure, a static argument) and the other arguments as they are."""
+
+    def flat(treedef: Any, leaves: list[Any], kept: tuple[Any, ...], kwargs: Any) -> Any:
+        d, k = iter(jax.tree.unflatten(treedef, leaves)), iter(kept)
+        args = tuple(next(d) if i in nums else next(k) for i in range(len(nums) + len(kept)))
+        return program(args, kwargs)
+
+    flat.__name__ = flat.__qualname__ = getattr(program, "__name__", "program")
+    return flat
+
+
 def _donating_some(
-    jitted: Callable[..., Any], nums: tuple[int, ...], where: str
+    jitted: Callable[..., Any], flat: Callable[..., Any], nums: tuple[int, ...], where: str
 ) -> Callable[[Any, Any], Any]:
+    """The per-call path of a program donating the arguments ``nums``.
+
+    Donated arguments without `PerReplica` values (parameters, optimizer state:
+    the usual case) are flattened once here: their leaves are checked for
+    donated buffers in one C-level pass and handed to ``flat`` as a list (jit
+    then walks no tree for them). Others take `_split_donated` and ``jitted``."""
+    nums_set = frozenset(nums)
+
     def call(args: Any, kwargs: Any) -> Any:
         if nums[-1] >= len(args):
             raise ValueError(
                 f"{where}: RunOptions(donate_argnums={nums}) names argument {nums[-1]}, but "
                 f"the function was called with {len(args)} positional argument(s) (after ctx)."
             )
+        donated = tuple(args[i] for i in nums)
+        leaves, treedef = jax.tree.flatten(donated)
+        holds = _HOLDS_PER_REPLICA.get(treedef)
+        if holds is None:
+            found = jax.tree.leaves(donated, is_leaf=_is_per_replica)
+            holds = _HOLDS_PER_REPLICA[treedef] = any(type(x) is PerReplica for x in found)
+        if not holds:
+            # A buffer donated by an earlier call and passed again crashes XLA's CPU
+            # runtime (segmentation fault with jax 0.10): refuse it first.
+            if _leaves_deleted(leaves):
+                raise _donated_error(where, args, kwargs, "RunOptions(donate_argnums=...)")
+            kept = tuple(x for i, x in enumerate(args) if i not in nums_set)
+            return flat(treedef, leaves, kept, kwargs)
         split = _split_donated(args, kwargs, nums)
         # A buffer donated by an earlier call and passed again crashes XLA's CPU runtime
         # (segmentation fault with jax 0.10): refuse it first.

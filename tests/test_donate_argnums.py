@@ -107,6 +107,44 @@ def test_function_refuses_a_donated_argument_passed_again() -> None:
         strategy.function(_fn_step, donate_argnums=7)(params, opt_state, xb, yb)
 
 
+def test_function_donates_trees_with_host_leaves_and_distributed_batches() -> None:
+    """The donated arguments may hold NumPy arrays and numbers (checked leaf by leaf) or
+    `PerReplica` batches of a distributed dataset (whose shared valid counts are kept)."""
+    strategy = jd.MirroredStrategy(jax.devices()[:2])
+    x, y = _data()
+
+    def step(ctx, params, scale, batch):
+        bx, by = batch
+
+        def loss_fn(p):
+            return jd.compute_average_loss(jnp.mean((bx @ p["w"] + p["b"] - by) ** 2, axis=-1))
+
+        g = jax.grad(loss_fn)(params)
+        g = ctx.all_reduce("sum", g)
+        return jax.tree.map(lambda p, g: p - scale * g, params, g)
+
+    f = strategy.function(step, donate_argnums=(0, 2))
+    ds = strategy.experimental_distribute_dataset(jd.data.from_arrays(x, y, batch_size=16))
+    params = {"w": np.full((5, 2), 0.1, np.float32), "b": np.zeros(2, np.float32)}
+    expected = {k: v.copy() for k, v in params.items()}
+    for _ in range(2):
+        for batch in ds:  # the batches are donated; their valid counts are shared
+            params = f(params, 0.1, batch)
+        g = jax.grad(_loss)(expected, x, y)
+        expected = jax.tree.map(lambda p, g: p - 0.1 * np.asarray(g), expected, g)
+    got = jax.tree.map(
+        lambda v: np.asarray(strategy.experimental_local_results(v)[0]),
+        params,
+        is_leaf=lambda v: isinstance(v, jd.Mirrored),
+    )
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, **TOL), got, expected)
+    mixed = {"w": np.ones((5, 2), np.float32), "b": jnp.zeros(2)}
+    only_params = strategy.function(step, donate_argnums=0)
+    only_params(mixed, 0.1, next(iter(ds)))  # donates mixed["b"] (a jax array)
+    with pytest.raises(RuntimeError, match=r"args\[0\]\['b'\] was donated"):
+        only_params(mixed, 0.1, next(iter(ds)))
+
+
 def test_run_options_donate_argnums_validation() -> None:
     assert jd.RunOptions(donate_argnums=1).donate_argnums == (1,)
     assert jd.RunOptions(donate_argnums=(2, 0, 2)).donate_argnums == (0, 2)

@@ -417,3 +417,6 @@ def test_fit_steps_per_execution_with_a_train_state_and_its_errors() -> None:
         )
     with pytest.raises(TypeError, match=r"needs a jd.train_step as the step"):
         jd.fit(lambda s, b: (s, 0.0), make(), data=data, steps_per_execution=2, progress=False)
+    donating = jd.train_step(strategy, donate_argnums=0)(step._fn)
+    with pytest.raises(ValueError, match=r"made with donate_argnums=\(0,\)"):
+        jd.fit(donating, make(), data=data, steps_per_execution=2, progress=False)

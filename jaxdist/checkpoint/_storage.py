@@ -219,9 +219,7 @@ def write_saveable(path: str, saveable: Any) -> None:
     _files.barrier("arrays")  # the others find the directory and its manifest complete
 
 
-def save(
-    directory: str | os.PathLike[str], state: Any, *, allow_nonfinite: bool = False
-) -> None:
+def save(directory: str | os.PathLike[str], state: Any, *, allow_nonfinite: bool = False) -> None:
     """Writes `to_saveable(state)` to a new ``directory`` with orbax-checkpoint, and a
     checksum manifest (`MANIFEST`) beside it that `restore` verifies.
 

@@ -421,26 +421,39 @@ class Batcher:
 
     # Placement ---------------------------------------------------------------------
 
+    def is_full(self, counts: np.ndarray) -> bool:
+        """Whether a host batch with these valid counts is full (no padding)."""
+        return counts is self._full_counts  # from_global / from_per_replica share it
+
+    def full_valid(self) -> Any:
+        """The valid counts of a full batch on the devices (placed once per dataset)."""
+        if self._full_valid is None:
+            counts = self._full_counts
+            assert counts is not None
+            key = (len(counts), int(counts[0]))
+            placed = self._shared_valid.get(key)
+            if placed is None:
+                placed = self._shared_valid[key] = self._counts_to_devices(counts)
+            self._full_valid = placed
+        return self._full_valid
+
     def place(self, leaves: list[np.ndarray], counts: np.ndarray) -> Any:
         """The batch as a pytree of `PerReplica` leaves sharing one valid-count array."""
-        full = counts is self._full_counts  # from_global / from_per_replica share it
         valid: Any
         if not self.options.experimental_fetch_to_device:
             valid = counts
             arrays: list[Any] = leaves
         else:
             arrays = self._to_devices(leaves)
-            if full:
-                if self._full_valid is None:
-                    key = (len(counts), int(counts[0]))
-                    placed = self._shared_valid.get(key)
-                    if placed is None:
-                        placed = self._shared_valid[key] = self._counts_to_devices(counts)
-                    self._full_valid = placed
-                valid = self._full_valid
-            else:
-                valid = self._counts_to_devices(counts)
+            valid = self.full_valid() if self.is_full(counts) else self._counts_to_devices(counts)
         return self.treedef.unflatten([_per_replica(None, (a, valid)) for a in arrays])
+
+    def place_group(self, leaves: list[np.ndarray]) -> Any:
+        """Full host batches stacked along axis 1 (`jaxdist.input.group.stack_steps`)
+        placed together, in one transfer per leaf: a pytree with a `PerReplica` leaf of
+        shape ``(N, count, b, ...)`` per batch leaf, without valid counts."""
+        arrays = self._to_devices(leaves)
+        return self.treedef.unflatten([_per_replica(None, (a, None)) for a in arrays])
 
     def _counts_to_devices(self, counts: np.ndarray) -> jax.Array:
         """Valid-row counts on the devices: replicated when they are every replica's (so a

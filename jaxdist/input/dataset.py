@@ -37,11 +37,9 @@ hides the agreement's latency behind the steps.
 
 from __future__ import annotations
 
-import atexit
 import collections
 import queue
 import threading
-import time
 import warnings
 import weakref
 from collections.abc import Callable, Iterator
@@ -49,57 +47,12 @@ from typing import Any, Protocol
 
 from jaxdist.input.agreement import BLOCK, StepSync, agreed
 from jaxdist.input.batching import Batcher, HostBatch
+from jaxdist.input.group import PlacedGroup, stack_steps
 from jaxdist.input.host_pool import HostPool
 from jaxdist.input.position import Position, make_state, parse_state
+from jaxdist.input.prefetch import END, HOST_QUEUE, Failure, HostThread, Signal
 
 __all__ = ["DistributedDataset", "DistributedIterator", "OptionalValue"]
-
-_END = object()
-_WAKE = 0  # a credit that only wakes a prefetch thread (to see its stop flag)
-
-# At interpreter exit, prefetch threads get this long, all together, to stop: a thread
-# still inside JAX when the runtime shuts down (a source that makes or reads back jax
-# arrays) can abort the process, but one blocked in the user's source (a socket, a queue)
-# may never return, and is left behind.
-EXIT_TIMEOUT_S = 0.5
-
-# A general source's thread queues up to this many host batches (or the buffer size if
-# larger), refilled half at a time.
-HOST_QUEUE = 4
-
-# Live prefetch threads, with their stop flags and credit queues.
-_LIVE: weakref.WeakKeyDictionary[threading.Thread, _Signal] = weakref.WeakKeyDictionary()
-
-
-class _Signal:
-    """Tells a prefetch thread to stop, waking it if it waits for a credit."""
-
-    __slots__ = ("credits", "stop")
-
-    def __init__(self) -> None:
-        self.stop = threading.Event()
-        self.credits: queue.SimpleQueue[Any] = queue.SimpleQueue()
-
-    def __call__(self) -> None:
-        self.stop.set()
-        self.credits.put(_WAKE)
-
-
-@atexit.register
-def _stop_all(timeout: float = EXIT_TIMEOUT_S) -> None:
-    """Signals every prefetch thread first, then waits for all of them together, at most
-    ``timeout`` seconds in all (threads stuck in user code are abandoned)."""
-    live = list(_LIVE.items())
-    for _, signal in live:
-        signal()
-    deadline = time.monotonic() + timeout
-    for thread, _ in live:
-        thread.join(max(0.0, deadline - time.monotonic()))
-
-
-class _Failure:
-    def __init__(self, error: BaseException) -> None:
-        self.error = error
 
 
 class OptionalValue:
@@ -107,80 +60,16 @@ class OptionalValue:
 
     __slots__ = ("_value",)
 
-    def __init__(self, value: Any = _END) -> None:
+    def __init__(self, value: Any = END) -> None:
         self._value = value
 
     def has_value(self) -> bool:
-        return self._value is not _END
+        return self._value is not END
 
     def get_value(self) -> Any:
-        if self._value is _END:
+        if self._value is END:
             raise ValueError("OptionalValue.get_value: the iterator was exhausted (no value).")
         return self._value
-
-
-class _HostThread:
-    """Runs a source in a background thread and hands its host batches over.
-
-    The thread may queue ``depth`` batches beyond those the consumer has
-    taken (and holds one more in the making). The consumer returns the
-    credits for taken batches in bulk, ``refill`` at a time (or all before it
-    waits), so the thread wakes once per ``refill`` batches and makes them in a
-    burst: waking it for every batch costs two GIL hand-offs per batch, about a
-    third of the throughput on a 2-core machine.
-    """
-
-    def __init__(self, host: Iterator[HostBatch], depth: int, signal: _Signal) -> None:
-        self.items: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        self.signal = signal
-        self.signal.credits.put(depth)
-        self._refill = max(1, depth // 2)
-        self._owed = 0
-        thread = threading.Thread(
-            target=_fill,
-            args=(host, self.items, self.signal),
-            name="jaxdist-input-prefetch",
-            daemon=True,
-        )
-        _LIVE[thread] = self.signal
-        thread.start()
-
-    def get(self, block: bool) -> Any:
-        """The next host batch, `_END` or a `_Failure`; ``queue.Empty`` if ``block`` is
-        false and none is ready."""
-        if block and self._owed:  # the thread may be waiting for these
-            self.signal.credits.put(self._owed)
-            self._owed = 0
-        item = self.items.get(block)
-        if item is not _END and not isinstance(item, _Failure):
-            self._owed += 1
-            if self._owed >= self._refill:
-                self.signal.credits.put(self._owed)
-                self._owed = 0
-        return item
-
-
-def _fill(host: Iterator[HostBatch], out: queue.SimpleQueue[Any], signal: _Signal) -> None:
-    """The prefetch thread's loop (it never touches the iterator, so that can be collected,
-    which stops the thread)."""
-    stop, credits = signal.stop, signal.credits
-    allowed = 0
-    last: Any = _END
-    try:
-        for item in host:
-            while not allowed:
-                credit = credits.get()
-                if stop.is_set():
-                    return
-                allowed += credit
-            if stop.is_set():
-                return
-            allowed -= 1
-            out.put(item)
-    except BaseException as e:  # handed to the consumer, which re-raises it
-        last = _Failure(e)
-    if not stop.is_set():
-        out.put(last)
 
 
 class Producer(Protocol):
@@ -214,6 +103,11 @@ class DistributedIterator:
     `get_state` / `set_state` save and restore the iterator's position (see
     `jaxdist.input.position`): a new iterator over the same source given a
     saved state yields exactly the batches the saved one had not returned.
+
+    Given to ``jd.train_step(..., steps_per_execution=k)``, the iterator
+    places full batches k at a time (`jaxdist.input.group.PlacedGroup`: one
+    host stack and one transfer per leaf, the next group prefetched); ``next``
+    still returns one batch, and positions still count batches.
     """
 
     def __init__(
@@ -236,7 +130,9 @@ class DistributedIterator:
         self._epochs = epochs if epochs is not None else Epochs()
         self._one_shot = one_shot
         self._returned = 0  # batches of this epoch returned to the caller
-        self._thread: _HostThread | None = None
+        self._thread: HostThread | None = None
+        # Batches per `PlacedGroup` read ahead: 1 until a grouped call asks for more.
+        self._group = 1
         self._start(Position())
 
     def _start(self, position: Position, batcher: Batcher | None = None, move: int = 0) -> None:
@@ -244,10 +140,11 @@ class DistributedIterator:
         numbers a start moved by `set_state` (its agreement between processes is new)."""
         batcher = batcher if batcher is not None else self._make_batcher()
         self._batcher = batcher
-        self._peeked: Any = _END
+        self._peeked: Any = END
         self._done = False
         self._exhausted = False  # the source has nothing more (or failed)
         self._ahead: collections.deque[Any] = collections.deque()
+        self._forming: list[HostBatch] = []  # full host batches of the next group
         self._buffer = batcher.options.experimental_per_replica_buffer_size
         host = self._producer(batcher, position)
         self._position = position  # with the sources' epochs filled in
@@ -255,7 +152,7 @@ class DistributedIterator:
         self._thread = None
         sync = self._sync
         if self._threaded or sync is not None:
-            signal = _Signal()
+            signal = Signal()
             depth = max(HOST_QUEUE, self._buffer)
             # Host copies in flight: queued, in the making, placed ahead, being transferred
             # (and held by an agreement's block).
@@ -268,7 +165,7 @@ class DistributedIterator:
                     self._epoch, signal.stop, restart=move, first_step=position.skip
                 )
                 host = agreed(host, batcher, agreement)
-            self._thread = _HostThread(host, depth, signal)
+            self._thread = HostThread(host, depth, signal)
             weakref.finalize(self, self._thread.signal)
         else:
             self._host = host
@@ -279,19 +176,19 @@ class DistributedIterator:
 
     def _pull(self) -> Any:
         if self._done:
-            return _END
+            return END
         self._read_ahead()
         if not self._ahead:
             self._done = True
-            return _END
+            return END
         item = self._ahead.popleft()
-        if type(item) is _Failure:
+        if type(item) is Failure:
             self._done = True
             raise item.error
         return item
 
     def _from_thread(self, block: bool) -> Any:
-        """The prefetch thread's next host batch, `_END`, a `_Failure`, or None if none is
+        """The prefetch thread's next host batch, `END`, a `Failure`, or None if none is
         ready."""
         assert self._thread is not None
         try:
@@ -303,29 +200,101 @@ class DistributedIterator:
         """Places (starts the transfers of) the batch about to be returned and up to
         ``buffer`` more that are ready, so they reach the devices while the step runs.
         Only the first is waited for. A failure is kept in line and raised when its batch
-        is due."""
+        is due. After a grouped call (`_next_group`), full batches are placed ``_group``
+        at a time, as `PlacedGroup`s."""
         ahead, buffer, place, host = self._ahead, self._buffer, self._batcher.place, self._host
+        forming, group, is_full = self._forming, self._group, self._batcher.is_full
         item: Any
         while not self._exhausted and len(ahead) <= buffer:
             if host is not None:  # a source read in this thread (in memory)
                 try:
-                    item = next(host, _END)
+                    item = next(host, END)
                 except Exception as e:
-                    item = _Failure(e)
+                    item = Failure(e)
             else:
                 item = self._from_thread(block=not ahead)
                 if item is None:
                     return
-            if item is _END or type(item) is _Failure:
+            if item is END or type(item) is Failure:
                 self._exhausted = True
-                if item is not _END:
+                self._place_group()
+                if item is not END:
                     ahead.append(item)
                 return
+            if group > 1 and is_full(item[1]):
+                forming.append(item)
+                if len(forming) >= group:
+                    self._place_group()
+                continue
+            self._place_group()  # a padded batch ends a group, and travels alone
             try:
                 ahead.append(place(*item))
             except Exception as e:
-                ahead.append(_Failure(e))
+                ahead.append(Failure(e))
                 self._exhausted = True
+
+    def _place_group(self) -> None:
+        """Places the full host batches collected for a group (if any) together."""
+        forming = self._forming
+        if not forming:
+            return
+        batcher = self._batcher
+        try:
+            tree = batcher.place_group(stack_steps(forming))
+            group = PlacedGroup(tree, len(forming), batcher.full_valid())
+        except Exception as e:
+            self._ahead.append(Failure(e))
+            self._exhausted = True
+        else:
+            self._ahead.append(group)
+        forming.clear()
+
+    def _pull_at_most(self, n: int) -> Any:
+        """The next batch or `PlacedGroup` of at most ``n`` batches (a larger group is
+        split on the devices, its rest kept next in line), or `END`."""
+        item = self._pull()
+        if type(item) is PlacedGroup and item.count > n:
+            item, rest = item.split(n)
+            self._ahead.appendleft(rest)
+        return item
+
+    def _pull_one(self) -> Any:
+        item = self._pull_at_most(1)
+        return item.batch() if type(item) is PlacedGroup else item
+
+    def _next_group(self, k: int) -> list[tuple[Any, int]]:
+        """Up to ``k`` next batches for a grouped train step, in order: ``(batch, 1)`` for
+        a batch placed alone, ``(group, count)`` for a `PlacedGroup`; empty at the end.
+        From this call on, batches read ahead are grouped ``k`` at a time (one host copy
+        and one transfer per leaf and group); with ``experimental_fetch_to_device=False``
+        every batch is returned alone."""
+        k_group = k if self._batcher.options.experimental_fetch_to_device else 1
+        out: list[tuple[Any, int]] = []
+        with self._lock:
+            self._group = k_group
+            taken = 0
+            if self._peeked is not END:
+                out.append((self._peeked, 1))
+                self._peeked, taken = END, 1
+            while taken < k:
+                try:
+                    item = self._pull_at_most(k - taken)
+                except Exception as e:
+                    if not out:
+                        raise
+                    # The batches before a failure run; the failure is raised next call.
+                    self._ahead.appendleft(Failure(e))
+                    self._done = False
+                    break
+                if item is END:
+                    break
+                count = item.count if type(item) is PlacedGroup else 1
+                out.append((item, count))
+                taken += count
+            if self._batcher.pending:
+                self._warn()
+            self._returned += taken
+        return out
 
     def _warn(self) -> None:
         """Emits the warnings batching found (in the caller's thread, at its line)."""
@@ -335,14 +304,14 @@ class DistributedIterator:
 
     def __next__(self) -> Any:
         with self._lock:
-            if self._peeked is not _END:
-                item, self._peeked = self._peeked, _END
+            if self._peeked is not END:
+                item, self._peeked = self._peeked, END
                 self._returned += 1
                 return item
-            item = self._pull()
+            item = self._pull_one()
             if self._batcher.pending:
                 self._warn()
-            if item is _END:
+            if item is END:
                 raise StopIteration
             self._returned += 1
         return item
@@ -363,9 +332,9 @@ class DistributedIterator:
         """The elements' structure as `jax.ShapeDtypeStruct`s with shardings, for compiling a
         step ahead of time (``strategy.function(step).lower(state, it.element_spec)``)."""
         with self._lock:
-            if self._peeked is _END:
-                self._peeked = self._pull()
-                if self._peeked is _END:
+            if self._peeked is END:
+                self._peeked = self._pull_one()
+                if self._peeked is END:
                     raise ValueError("DistributedIterator.element_spec: the dataset is empty.")
             return self._batcher.spec(self._peeked)
 
@@ -471,18 +440,27 @@ class DistributedIterator:
 
     def _drop(self, count: int) -> None:
         """Drops the next ``count`` batches (host batches where not yet placed)."""
-        while count and self._peeked is not _END:
-            self._peeked, count = _END, count - 1
-        while count and self._ahead and type(self._ahead[0]) is not _Failure:
-            self._ahead.popleft()
+        while count and self._peeked is not END:
+            self._peeked, count = END, count - 1
+        while count and self._ahead and type(self._ahead[0]) is not Failure:
+            head = self._ahead.popleft()
+            if type(head) is PlacedGroup:
+                if head.count > count:
+                    self._ahead.appendleft(head.split(count)[1])
+                    return
+                count -= head.count
+            else:
+                count -= 1
+        while count and self._forming:
+            self._forming.pop(0)
             count -= 1
         while count and not self._exhausted:
             item: Any = self._from_thread(block=True) if self._host is None else None
             if self._host is not None:
-                item = next(self._host, _END)
-            if item is _END or type(item) is _Failure:
+                item = next(self._host, END)
+            if item is END or type(item) is Failure:
                 self._exhausted = True
-                if item is not _END:
+                if item is not END:
                     self._ahead.append(item)
                 return
             count -= 1
@@ -498,10 +476,11 @@ class DistributedIterator:
         self._done = True
         if self._thread is not None:
             self._thread.signal()
-            self._thread.items.put(_END)  # wakes a consumer waiting for the next batch
+            self._thread.items.put(END)  # wakes a consumer waiting for the next batch
         with self._lock:
             self._ahead.clear()
-            self._peeked = _END
+            self._forming.clear()
+            self._peeked = END
 
 
 class DistributedDataset:

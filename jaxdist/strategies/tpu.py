@@ -37,7 +37,6 @@ from jaxdist.strategy import Strategy
 __all__ = ["LOGICAL_AXIS_NAME", "TPUStrategy", "TPUStrategyExtended"]
 
 
-
 class _DeviceAssignmentLike(Protocol):
     """What `TPUStrategy` reads of a ``jaxdist.tpu.experimental.DeviceAssignment``."""
 

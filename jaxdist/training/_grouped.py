@@ -24,7 +24,8 @@ those of ``k`` single steps in every case.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Sequence
+import itertools
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax
@@ -34,12 +35,15 @@ from jax import lax
 
 from jaxdist._invariance import analyze, assume_invariant
 from jaxdist._jax_compat import eval_jaxpr, varies
+from jaxdist.input.dataset import DistributedIterator
+from jaxdist.input.group import PlacedGroup
 from jaxdist.training.state import TrainState
 from jaxdist.values import DistributedValues, PerReplica
 
 __all__ = [
     "Stacked",
     "concat_outputs",
+    "plan_runs",
     "runs",
     "scan_steps",
     "stack_batches",
@@ -111,6 +115,38 @@ def stack_batches(run: Sequence[Any]) -> Stacked:
     sharding = columns[0][0].sharding
     stacked = _stacker(sharding)(columns)
     return Stacked(jax.tree.unflatten(treedef, [PerReplica(a) for a in stacked]))
+
+
+def plan_runs(source: Iterator[Any], k: int) -> list[tuple[Any, int]]:
+    """The next up to ``k`` batches of ``source`` as runs: ``(Stacked, steps)`` for a run
+    of several steps, ``(batch, 1)`` for a single step; empty at the end of the data.
+
+    A `jaxdist.DistributedIterator` hands over groups of full batches already
+    placed as one array per leaf (`PlacedGroup`: one host copy and one transfer
+    per group, no stacking on the devices); batches it placed alone (read ahead
+    before the first grouped call, or padded) and batches of any other iterator
+    are stacked on the devices where they can be (`runs`).
+    """
+    if isinstance(source, DistributedIterator):
+        pieces = source._next_group(k)
+    else:
+        pieces = [(b, 1) for b in itertools.islice(source, k)]
+    out: list[tuple[Any, int]] = []
+    singles: list[Any] = []
+
+    def flush() -> None:
+        for run in runs(singles):
+            out.append((stack_batches(run), len(run)) if len(run) > 1 else (run[0], 1))
+        singles.clear()
+
+    for piece, count in pieces:
+        if type(piece) is PlacedGroup and count > 1:
+            flush()
+            out.append((Stacked(piece.tree), count))
+        else:
+            singles.append(piece.batch() if type(piece) is PlacedGroup else piece)
+    flush()
+    return out
 
 
 def _is_output_leaf(x: Any) -> bool:

@@ -138,6 +138,13 @@ def _grouped_step(
             f"{_WHERE}: steps_per_execution={k} needs a jd.train_step as the step (it runs "
             f"the steps in one compiled call); got {type(step).__name__}."
         )
+    if step._donate_argnums is not None:
+        raise ValueError(
+            f"{_WHERE}: steps_per_execution={k} cannot be combined with a step made with "
+            f"donate_argnums={step._donate_argnums} (a group carries its TrainState arguments "
+            "and donates them per `donate`); drop donate_argnums, or use "
+            "steps_per_execution=1."
+        )
     if checkpoint is not None:
         raise ValueError(
             f"{_WHERE}: steps_per_execution={k} cannot be combined with a "

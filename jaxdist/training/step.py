@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import collections.abc
 import functools
-import itertools
 from collections.abc import Callable
 from typing import Any
 
@@ -52,8 +51,7 @@ from jaxdist.strategy import Strategy
 from jaxdist.training import _sharded_state as sharded
 from jaxdist.training._grouped import (
     concat_outputs,
-    runs,
-    stack_batches,
+    plan_runs,
     take_states,
     unstack_outputs,
 )
@@ -325,15 +323,15 @@ class TrainStep:
                 f"{len(where)} iterators among the arguments."
             )
         (pos,) = where
-        batches = list(itertools.islice(leaves[pos], self.steps_per_execution))
-        if not batches:
+        planned = plan_runs(leaves[pos], self.steps_per_execution)
+        if not planned:
             self.last_call_steps = 0
             raise StopIteration
         state_at = [i for i, x in enumerate(leaves) if isinstance(x, TrainState)]
         outs: list[tuple[Any, int]] = []
-        for run in runs(batches):
-            grouped = len(run) > 1
-            leaves[pos] = stack_batches(run) if grouped else run[0]
+        for batch, steps in planned:
+            grouped = steps > 1
+            leaves[pos] = batch
             a, kw = jax.tree.unflatten(treedef, leaves)
             if grouped:
                 twin = self._group_steps.get(stack)
@@ -344,12 +342,12 @@ class TrainStep:
                 out = twin._call_one(a, kw)
             else:
                 out = self._call_one(a, kw)
-            outs.append((out, len(run)))
+            outs.append((out, steps))
             if state_at:  # the next run starts from the states this one returned
                 new, _, _, _ = take_states(out, len(state_at), self._where)
                 for i, state in zip(state_at, new, strict=True):
                     leaves[i] = state
-        self.last_call_steps = len(batches)
+        self.last_call_steps = sum(steps for _, steps in planned)
         return outs, len(state_at)
 
     def _call_one(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:

@@ -84,6 +84,7 @@ class _CoordinatorHolder:
 
 _START_TIMEOUT = 180.0  # seconds for the actors to answer their first ping
 
+
 class ParameterServerStrategyExtended:
     """``strategy.extended``: the actors of the tasks, in task order, and their devices."""
 

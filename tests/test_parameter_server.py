@@ -196,12 +196,18 @@ def test_killed_worker_closures_rescheduled_and_worker_restarted(strategy: Any) 
     np.testing.assert_allclose(float(b), solution[4], atol=1e-3)
 
 
-def test_error_raised_once_queued_closures_cancelled(strategy: Any) -> None:
+def test_error_raised_once_queued_closures_cancelled(strategy: Any, tmp_path: Any) -> None:
     c = ClusterCoordinator(strategy)
+    # The failing closure fails only once every later closure is queued (else schedule()
+    # itself may raise the error first, as it should, and the test would race).
+    gate = str(tmp_path / "fail-now")
 
     @strategy.function
     def fails(ctx: Any, x: Any) -> Any:
         if x.shape[0] == 1:
+            deadline = time.monotonic() + 120
+            while not os.path.exists(gate) and time.monotonic() < deadline:
+                time.sleep(0.01)
             raise ValueError("boom from the closure")
         return jnp.sum(x)
 
@@ -213,6 +219,7 @@ def test_error_raised_once_queued_closures_cancelled(strategy: Any) -> None:
 
     first = c.schedule(fails, args=(np.ones(1, np.float32),))
     later = [c.schedule(slow, args=(np.eye(200, dtype=np.float32),)) for _ in range(60)]
+    open(gate, "w").close()
     with pytest.raises(ValueError, match="boom from the closure"):
         c.join()
     c.join()  # raised once, then cleared

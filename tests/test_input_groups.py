@@ -17,6 +17,7 @@ from test_train_step_grouped import _make_nnx, _nnx_step
 import jaxdist as jd
 from jaxdist.input.batching import Batcher
 from jaxdist.input.group import PlacedGroup
+from jaxdist.training._grouped import plan_runs
 
 BATCH = 16
 ROWS = 88  # 5 full batches of 16 and a partial one of 8
@@ -199,3 +200,29 @@ def test_host_batches_are_never_grouped() -> None:
     pieces = iter(ds)._next_group(4)
     assert [c for _, c in pieces] == [1, 1, 1, 1]
     assert all(isinstance(p[0].array, np.ndarray) for p, _ in pieces)
+
+
+def test_runs_are_cut_by_the_batches_alone() -> None:
+    """Batches placed alone before the first grouped call (how many depends on the prefetch
+    thread's timing) join the group after them, so every process of a job runs the same
+    programs; a padded batch runs alone."""
+    strategy = jd.MirroredStrategy()
+    x, y = _data()
+    ds = strategy.experimental_distribute_dataset(
+        jd.data.from_arrays(x, y, batch_size=BATCH),
+        jd.InputOptions(experimental_per_replica_buffer_size=0),
+    )
+    it = iter(ds)
+    _ = it.element_spec  # batch 0 placed alone (nothing read ahead with buffer 0)
+    pieces = it._next_group(3)
+    assert [count for _, count in pieces] == [1, 2]  # then 2 split off a group of 3
+    it = iter(ds)
+    _ = it.element_spec
+    planned = plan_runs(it, 3)
+    assert [steps for _, steps in planned] == [3]
+    stacked = np.asarray(planned[0][0].tree[0].array)  # (N, 3, b, 6)
+    for j in range(3):
+        np.testing.assert_array_equal(stacked[:, j].reshape(-1, 6), x[j * BATCH : (j + 1) * BATCH])
+    planned = plan_runs(it, 3)  # batches 3 and 4 (full), 5 (padded)
+    assert [steps for _, steps in planned] == [2, 1]
+    assert plan_runs(it, 3) == []

@@ -74,7 +74,12 @@ def _is_per_replica(x: Any) -> bool:
 def _signature(batch: Any) -> tuple[Any, ...] | None:
     """What batches must share to be stacked: structure, shapes, dtypes and the identity of
     their valid counts (full batches of a distributed dataset share one array); ``None``
-    for a batch that is not all `PerReplica` leaves."""
+    for a batch that is not all `PerReplica` leaves. A `PlacedGroup` has its batches'
+    signature (its shapes without the step axis, a full batch's valid counts)."""
+    if type(batch) is PlacedGroup:
+        leaves, treedef = jax.tree.flatten(batch.tree, is_leaf=_is_per_replica)
+        shapes = tuple(((x.array.shape[0], *x.array.shape[2:]), x.array.dtype) for x in leaves)
+        return treedef, shapes, id(batch.valid)
     leaves, treedef = jax.tree.flatten(batch, is_leaf=_is_per_replica)
     if not leaves or not all(type(x) is PerReplica for x in leaves):
         return None
@@ -86,8 +91,10 @@ def _signature(batch: Any) -> tuple[Any, ...] | None:
 
 
 def runs(batches: Sequence[Any]) -> list[list[Any]]:
-    """``batches`` cut into runs that can be stacked: consecutive batches of the same
-    signature (a run of one is run as a single step)."""
+    """``batches`` (or `PlacedGroup`s of them) cut into runs that can be stacked:
+    consecutive items of the same signature. The cut depends only on the sequence of
+    batches, not on how they were grouped when placed, so every process of a job cuts
+    the same batches the same way."""
     out: list[list[Any]] = []
     last: Any = object()
     for b in batches:
@@ -101,19 +108,35 @@ def runs(batches: Sequence[Any]) -> list[list[Any]]:
 
 
 @functools.cache
-def _stacker(sharding: jax.sharding.Sharding) -> Any:
-    return jax.jit(lambda arrays: [jnp.stack(a, axis=1) for a in arrays], out_shardings=sharding)
+def _joiner(sharding: jax.sharding.Sharding, grouped: tuple[bool, ...]) -> Any:
+    """One program joining a run's arrays along axis 1: a batch's gets a step axis of one,
+    a group's (``grouped[i]``) has its own."""
+
+    def join(columns: list[list[Any]]) -> list[Any]:
+        return [
+            jnp.concatenate([a if g else a[:, None] for a, g in zip(col, grouped, strict=True)], 1)
+            for col in columns
+        ]
+
+    return jax.jit(join, out_shardings=sharding)
 
 
 def stack_batches(run: Sequence[Any]) -> Stacked:
-    """The batches of one run as one `Stacked` batch: a `PerReplica` leaf of shape
-    ``(N, k, b, ...)`` per batch leaf, in one program. The valid counts are dropped: a run
-    of several batches holds full batches only (`runs`)."""
-    trees = [jax.tree.flatten(b, is_leaf=_is_per_replica) for b in run]
+    """The batches (and `PlacedGroup`s) of one run as one `Stacked` batch: a `PerReplica`
+    leaf of shape ``(N, steps, b, ...)`` per batch leaf; a run of one group as it is, else
+    one program. The valid counts are dropped: a run of several batches holds full
+    batches only (`runs`)."""
+    if len(run) == 1 and type(run[0]) is PlacedGroup:
+        return Stacked(run[0].tree)
+    grouped = tuple(type(b) is PlacedGroup for b in run)
+    trees = [
+        jax.tree.flatten(b.tree if g else b, is_leaf=_is_per_replica)
+        for b, g in zip(run, grouped, strict=True)
+    ]
     treedef = trees[0][1]
     columns = [[leaves[i].array for leaves, _ in trees] for i in range(len(trees[0][0]))]
     sharding = columns[0][0].sharding
-    stacked = _stacker(sharding)(columns)
+    stacked = _joiner(sharding, grouped)(columns)
     return Stacked(jax.tree.unflatten(treedef, [PerReplica(a) for a in stacked]))
 
 
@@ -123,29 +146,23 @@ def plan_runs(source: Iterator[Any], k: int) -> list[tuple[Any, int]]:
 
     A `jaxdist.DistributedIterator` hands over groups of full batches already
     placed as one array per leaf (`PlacedGroup`: one host copy and one transfer
-    per group, no stacking on the devices); batches it placed alone (read ahead
-    before the first grouped call, or padded) and batches of any other iterator
-    are stacked on the devices where they can be (`runs`).
+    per group, no stacking on the devices). The runs are cut by `runs` from the
+    batches alone, so a group and the batches placed alone beside it (read ahead
+    before the first grouped call, whose number depends on timing) form one run,
+    joined by one program on the devices, as batches of any other iterator are.
     """
     if isinstance(source, DistributedIterator):
         pieces = source._next_group(k)
     else:
         pieces = [(b, 1) for b in itertools.islice(source, k)]
     out: list[tuple[Any, int]] = []
-    singles: list[Any] = []
-
-    def flush() -> None:
-        for run in runs(singles):
-            out.append((stack_batches(run), len(run)) if len(run) > 1 else (run[0], 1))
-        singles.clear()
-
-    for piece, count in pieces:
-        if type(piece) is PlacedGroup and count > 1:
-            flush()
-            out.append((Stacked(piece.tree), count))
+    for run in runs([piece for piece, _ in pieces]):
+        steps = sum(b.count if type(b) is PlacedGroup else 1 for b in run)
+        if steps > 1:
+            out.append((stack_batches(run), steps))
         else:
-            singles.append(piece.batch() if type(piece) is PlacedGroup else piece)
-    flush()
+            (b,) = run
+            out.append((b.batch() if type(b) is PlacedGroup else b, 1))
     return out
 
 

@@ -166,15 +166,20 @@ def _split_donated(
     walked in Python; whether they hold any is decided once per tree structure."""
     donated = tuple(args[i] for i in nums)
     kept = tuple(x for i, x in enumerate(args) if i not in nums)
-    treedef = jax.tree.structure(donated)
-    holds = _HOLDS_PER_REPLICA.get(treedef)
-    if holds is None:
-        leaves = jax.tree.leaves(donated, is_leaf=_is_per_replica)
-        holds = _HOLDS_PER_REPLICA[treedef] = any(type(x) is PerReplica for x in leaves)
-    if not holds:
+    if not _holds_per_replica(donated, jax.tree.structure(donated)):
         return donated, kept, kwargs, []
     donated, _, counts, _ = _counts_apart(donated, {})
     return donated, kept, kwargs, counts
+
+
+def _holds_per_replica(donated: Any, treedef: Any) -> bool:
+    """Whether the donated arguments (of tree structure ``treedef``) hold `PerReplica`
+    values; decided once per structure."""
+    holds = _HOLDS_PER_REPLICA.get(treedef)
+    if holds is None:
+        found = jax.tree.leaves(donated, is_leaf=_is_per_replica)
+        holds = _HOLDS_PER_REPLICA[treedef] = any(type(x) is PerReplica for x in found)
+    return holds
 
 
 def _deleted(x: Any) -> bool:
@@ -188,12 +193,6 @@ def _leaves_deleted(leaves: list[Any]) -> bool:
         return any(map(_ARRAY.is_deleted, leaves))
     except TypeError:  # a leaf of another type (a NumPy array, a Python number)
         return any(map(_deleted, leaves))
-
-
-def _any_deleted(tree: Any) -> bool:
-    """Whether an array of ``tree`` was deleted (donated); one C-level pass over them."""
-    arrays = [x for x in jax.tree.leaves(tree) if type(x) is _ARRAY]
-    return any(map(_ARRAY.is_deleted, arrays))
 
 
 def _some_donated(
@@ -236,10 +235,11 @@ def _donating_some(
 ) -> Callable[[Any, Any], Any]:
     """The per-call path of a program donating the arguments ``nums``.
 
-    Donated arguments without `PerReplica` values (parameters, optimizer state:
-    the usual case) are flattened once here: their leaves are checked for
-    donated buffers in one C-level pass and handed to ``flat`` as a list (jit
-    then walks no tree for them). Others take `_split_donated` and ``jitted``."""
+    The donated arguments are flattened once here and their buffers checked in
+    one pass. Without `PerReplica` values (parameters, optimizer state: the
+    usual case) their leaves go to ``flat`` as a list (jit then walks no tree
+    for them); others take `_split_donated` and ``jitted``, which keep the
+    batches' shared valid counts undonated."""
     nums_set = frozenset(nums)
 
     def call(args: Any, kwargs: Any) -> Any:
@@ -250,23 +250,14 @@ def _donating_some(
             )
         donated = tuple(args[i] for i in nums)
         leaves, treedef = jax.tree.flatten(donated)
-        holds = _HOLDS_PER_REPLICA.get(treedef)
-        if holds is None:
-            found = jax.tree.leaves(donated, is_leaf=_is_per_replica)
-            holds = _HOLDS_PER_REPLICA[treedef] = any(type(x) is PerReplica for x in found)
-        if not holds:
-            # A buffer donated by an earlier call and passed again crashes XLA's CPU
-            # runtime (segmentation fault with jax 0.10): refuse it first.
-            if _leaves_deleted(leaves):
-                raise _donated_error(where, args, kwargs, "RunOptions(donate_argnums=...)")
-            kept = tuple(x for i, x in enumerate(args) if i not in nums_set)
-            return flat(treedef, leaves, kept, kwargs)
-        split = _split_donated(args, kwargs, nums)
         # A buffer donated by an earlier call and passed again crashes XLA's CPU runtime
         # (segmentation fault with jax 0.10): refuse it first.
-        if _any_deleted(split):
+        if _leaves_deleted(leaves):
             raise _donated_error(where, args, kwargs, "RunOptions(donate_argnums=...)")
-        return jitted(*split)
+        if not _holds_per_replica(donated, treedef):
+            kept = tuple(x for i, x in enumerate(args) if i not in nums_set)
+            return flat(treedef, leaves, kept, kwargs)
+        return jitted(*_split_donated(args, kwargs, nums))
 
     call.donate_argnums = nums  # type: ignore[attr-defined]
     return call

@@ -51,6 +51,20 @@ _MAKERS: dict[str, Any] = {
 }
 
 
+def per_device_bytes(tree: Any) -> int:
+    """The most bytes of ``tree``'s arrays that any one device holds."""
+    per: dict[Any, int] = {}
+    for leaf in jax.tree.leaves(tree):
+        for shard in leaf.addressable_shards:
+            per[shard.device] = per.get(shard.device, 0) + shard.data.nbytes
+    return max(per.values())
+
+
+def total_bytes(tree: Any) -> int:
+    """The bytes of ``tree``'s arrays, each counted once."""
+    return sum(leaf.nbytes for leaf in jax.tree.leaves(tree))
+
+
 def strategy_params(*names: str) -> list[Any]:
     """``pytest.param``s of functions that make the named strategies (made per test, so
     that each test gets a fresh one), for ``@pytest.mark.parametrize("make", ...)``."""

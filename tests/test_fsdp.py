@@ -24,6 +24,8 @@ from flax import nnx
 import jaxdist as jd
 from jaxdist.strategies.fsdp import state_layout
 
+from _helpers import per_device_bytes, total_bytes
+
 pytestmark = pytest.mark.timeout(300)
 
 STEPS = 20
@@ -143,19 +145,6 @@ def _assert_close(a: object, b: object, rtol: float = RTOL, atol: float = ATOL) 
         np.testing.assert_allclose(x, y, rtol=rtol, atol=atol)
 
 
-def _per_device_bytes(tree: object) -> int:
-    """The most bytes of ``tree``'s arrays any one device holds."""
-    per: dict[jax.Device, int] = {}
-    for leaf in jax.tree.leaves(tree):
-        for shard in leaf.addressable_shards:
-            per[shard.device] = per.get(shard.device, 0) + shard.data.nbytes
-    return max(per.values())
-
-
-def _total_bytes(tree: object) -> int:
-    return sum(leaf.nbytes for leaf in jax.tree.leaves(tree))
-
-
 # Parity -------------------------------------------------------------------------------
 
 
@@ -223,10 +212,10 @@ def test_transformer_20_adamw_steps_equal_mirrored_with_an_eighth_of_the_state()
     x, y = data[0][0], data[1][0]
     batch_bytes = (x.nbytes + y.nbytes) // N
     state_f, state_m = nnx.state((mf, of)), nnx.state((mm, om))
-    total = _total_bytes(state_f)
-    assert _total_bytes(state_m) == total
-    assert _per_device_bytes(state_f) <= 1.05 * total / N, (_per_device_bytes(state_f), total)
-    assert _per_device_bytes(state_m) == total
+    total = total_bytes(state_f)
+    assert total_bytes(state_m) == total
+    assert per_device_bytes(state_f) <= 1.05 * total / N, (per_device_bytes(state_f), total)
+    assert per_device_bytes(state_m) == total
     args_f = step_f.lower(mf, of, *_split(fsdp, x, y)).compile().memory_analysis()
     args_m = step_m.lower(mm, om, *_split(mirrored, x, y)).compile().memory_analysis()
     assert args_f.argument_size_in_bytes <= 1.05 * total / N + batch_bytes

@@ -29,6 +29,8 @@ import jaxdist as jd
 from jaxdist.strategies._sharded_create import sharded_initializer
 from jaxdist.training import _sharded_state
 
+from _helpers import per_device_bytes, total_bytes
+
 pytestmark = pytest.mark.timeout(300)
 
 N = 8
@@ -73,18 +75,6 @@ def _host(tree: object) -> list[np.ndarray]:
             leaf = jax.random.key_data(leaf)
         out.append(np.asarray(leaf))
     return out
-
-
-def _per_device_bytes(tree: object) -> int:
-    per: dict[jax.Device, int] = {}
-    for leaf in jax.tree.leaves(tree):
-        for shard in leaf.addressable_shards:
-            per[shard.device] = per.get(shard.device, 0) + shard.data.nbytes
-    return max(per.values())
-
-
-def _total_bytes(tree: object) -> int:
-    return sum(leaf.nbytes for leaf in jax.tree.leaves(tree))
 
 
 def _step(strategy: jd.Strategy) -> jd.TrainStep:
@@ -193,8 +183,8 @@ def test_each_device_holds_an_eighth_and_the_initializer_needs_no_more() -> None
     strategy = jd.experimental.FSDPStrategy(min_shard_bytes=0)
     model, opt = strategy.experimental_create(_make)
     state = nnx.state((model, opt))
-    total = _total_bytes(state)
-    assert _per_device_bytes(state) <= 1.05 * total / N
+    total = total_bytes(state)
+    assert per_device_bytes(state) <= 1.05 * total / N
     init, _ = sharded_initializer(
         strategy, strategy._state_dims, _make, (), {}, "FSDPStrategy.experimental_create"
     )

@@ -112,13 +112,16 @@ def test_groups_hold_the_datasets_rows_in_order(source: str) -> None:
         expected = [x[i : i + BATCH] for i in range(0, ROWS, BATCH)]
     it = iter(ds)
     got: list[np.ndarray] = []
+    groups = 0
     while True:
         pieces = it._next_group(3)
         if not pieces:
             break
         assert sum(c for _, c in pieces) <= 3
         for piece, count in pieces:
+            groups += type(piece) is PlacedGroup and count > 1
             got.extend(_global_rows(piece, count, strategy))
+    assert groups >= 1  # the full batches came placed together
     assert len(got) == len(expected)
     for a, e in zip(got, expected, strict=True):
         np.testing.assert_array_equal(a, e)

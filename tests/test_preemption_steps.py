@@ -25,7 +25,7 @@ import pytest
 import jaxdist as jd
 from jaxdist.experimental import _preemption
 
-from _helpers import run_workers
+from _helpers import WORKER_PREAMBLE, run_workers
 
 pytest.importorskip("orbax.checkpoint")
 
@@ -207,15 +207,9 @@ def test_a_bad_last_call_steps_is_refused(tmp_path: Path, value: Any) -> None:
 
 # Two processes: the agreement on a call ------------------------------------------------------
 
-_TWO = textwrap.dedent(
+_TWO = WORKER_PREAMBLE + textwrap.dedent(
     """
-    import json, sys, threading, time
-    import jax
-    jax.config.update("jax_num_cpu_devices", 4)
-    jax.distributed.initialize(
-        coordinator_address=f"127.0.0.1:{sys.argv[2]}", num_processes=2,
-        process_id=int(sys.argv[1]), initialization_timeout=60,
-    )
+    import threading, time
     import jax.numpy as jnp
     import numpy as np
     import optax

@@ -445,7 +445,10 @@ class Batcher:
             arrays: list[Any] = leaves
         else:
             arrays = self._to_devices(leaves)
-            valid = self.full_valid() if self.is_full(counts) else self._counts_to_devices(counts)
+            if counts is self._full_counts:  # `is_full`, inline: once per batch
+                valid = self._full_valid if self._full_valid is not None else self.full_valid()
+            else:
+                valid = self._counts_to_devices(counts)
         return self.treedef.unflatten([_per_replica(None, (a, valid)) for a in arrays])
 
     def place_group(self, leaves: list[np.ndarray]) -> Any:

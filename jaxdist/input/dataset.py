@@ -217,7 +217,8 @@ class DistributedIterator:
                     return
             if item is END or type(item) is Failure:
                 self._exhausted = True
-                self._place_group()
+                if forming:
+                    self._place_group()
                 if item is not END:
                     ahead.append(item)
                 return
@@ -226,7 +227,8 @@ class DistributedIterator:
                 if len(forming) >= group:
                     self._place_group()
                 continue
-            self._place_group()  # a padded batch ends a group, and travels alone
+            if forming:  # a padded batch ends a group, and travels alone
+                self._place_group()
             try:
                 ahead.append(place(*item))
             except Exception as e:
@@ -234,10 +236,8 @@ class DistributedIterator:
                 self._exhausted = True
 
     def _place_group(self) -> None:
-        """Places the full host batches collected for a group (if any) together."""
+        """Places the full host batches collected for a group together."""
         forming = self._forming
-        if not forming:
-            return
         batcher = self._batcher
         try:
             tree = batcher.place_group(stack_steps(forming))
@@ -249,18 +249,26 @@ class DistributedIterator:
             self._ahead.append(group)
         forming.clear()
 
+    def _split_off(self, group: PlacedGroup, n: int) -> PlacedGroup:
+        """The first ``n`` batches of ``group`` (split on the devices), its rest kept next
+        in line."""
+        head, rest = group.split(n)
+        self._ahead.appendleft(rest)
+        return head
+
     def _pull_at_most(self, n: int) -> Any:
-        """The next batch or `PlacedGroup` of at most ``n`` batches (a larger group is
-        split on the devices, its rest kept next in line), or `END`."""
+        """The next batch or `PlacedGroup` of at most ``n`` batches, or `END`."""
         item = self._pull()
         if type(item) is PlacedGroup and item.count > n:
-            item, rest = item.split(n)
-            self._ahead.appendleft(rest)
+            item = self._split_off(item, n)
         return item
 
     def _pull_one(self) -> Any:
-        item = self._pull_at_most(1)
-        return item.batch() if type(item) is PlacedGroup else item
+        """The next batch alone (split off a group read ahead for grouped calls), or `END`."""
+        item = self._pull()
+        if type(item) is PlacedGroup:
+            item = (self._split_off(item, 1) if item.count > 1 else item).batch()
+        return item
 
     def _next_group(self, k: int) -> list[tuple[Any, int]]:
         """Up to ``k`` next batches for a grouped train step, in order: ``(batch, 1)`` for

@@ -28,6 +28,7 @@ lint: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) benchmarks/dispatch.py
+	$(PY) benchmarks/run_overhead.py
 	$(PY) benchmarks/train_step.py
 	$(PY) benchmarks/input_pipeline.py
 	$(PY) benchmarks/digits.py

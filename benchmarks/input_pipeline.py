@@ -214,7 +214,7 @@ def main(rounds: int, passes: int) -> None:
 
 def groups(k: int, rounds: int = 15) -> None:
     """Groups of ``k`` batches for ``steps_per_execution=k``: placed as one array per leaf."""
-    from jaxdist.training._grouped import plan_runs  # the train step's own path
+    from jaxdist.training.step.grouped import plan_runs  # the train step's own path
 
     strategy = jd.MirroredStrategy()
     n = strategy.num_replicas_in_sync

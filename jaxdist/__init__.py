@@ -1,15 +1,16 @@
 """jaxdist: tf.distribute's programming model for JAX.
 
 Only the names in `_PUBLIC` below (and the modules in `_SUBMODULES`:
-``jaxdist.experimental``, ``training``, ``checkpoint``, ``data``,
-``cluster_resolver`` and ``tpu``) are public; every other module is internal.
+``jaxdist.experimental``, ``training``, ``checkpoint``, ``data``, ``errors``,
+``cluster_resolver``, ``tpu`` and the launcher ``jaxdist.launch``) are public;
+every other module is internal.
 
 `_PUBLIC` is the one table of public names: each name and the module that defines
 it. ``__all__`` is made from it, and names are loaded from it when first used
 (PEP 562): ``import jaxdist`` costs nothing until a name is looked up, so the
 launcher (``python -m jaxdist.launch``, which needs only the standard library)
 starts without importing JAX. The ``TYPE_CHECKING`` block shows type checkers the
-same names; ``tests/test_package.py`` checks that it matches the table.
+same names; ``tests/package/test_package.py`` checks that it matches the table.
 """
 
 from __future__ import annotations
@@ -23,12 +24,10 @@ if TYPE_CHECKING:  # the table below, spelled out for type checkers and IDEs
         checkpoint,
         cluster_resolver,
         data,
+        errors,
         experimental,
         tpu,
         training,
-    )
-    from jaxdist._reduce_op import (
-        ReduceOp,
     )
     from jaxdist._scope import (
         experimental_set_strategy,
@@ -38,6 +37,12 @@ if TYPE_CHECKING:  # the table below, spelled out for type checkers and IDEs
     )
     from jaxdist.cluster_resolver.initialize import (
         initialize,
+    )
+    from jaxdist.collectives.cross_device_ops import (
+        CrossDeviceOps,
+        HierarchicalCopyAllReduce,
+        NcclAllReduce,
+        ReductionToOneDevice,
     )
     from jaxdist.context import (
         ReplicaContext,
@@ -52,9 +57,6 @@ if TYPE_CHECKING:  # the table below, spelled out for type checkers and IDEs
     from jaxdist.experimental.parameter_server.strategy import (
         ParameterServerStrategy,
     )
-    from jaxdist.extended import (
-        StrategyExtended,
-    )
     from jaxdist.input.dataset import (
         DistributedDataset,
         DistributedIterator,
@@ -64,17 +66,17 @@ if TYPE_CHECKING:  # the table below, spelled out for type checkers and IDEs
         InputOptions,
         InputReplicationMode,
     )
-    from jaxdist.options import (
+    from jaxdist.run_options import (
         RunOptions,
     )
-    from jaxdist.reduce import (
-        CrossDeviceOps,
-        HierarchicalCopyAllReduce,
-        NcclAllReduce,
-        ReductionToOneDevice,
+    from jaxdist.strategies.base import (
+        Strategy,
     )
     from jaxdist.strategies.central_storage import (
         CentralStorageStrategy,
+    )
+    from jaxdist.strategies.extended import (
+        StrategyExtended,
     )
     from jaxdist.strategies.mirrored import (
         MirroredStrategy,
@@ -88,36 +90,36 @@ if TYPE_CHECKING:  # the table below, spelled out for type checkers and IDEs
     from jaxdist.strategies.tpu import (
         TPUStrategy,
     )
-    from jaxdist.strategy import (
-        Strategy,
-    )
-    from jaxdist.training.accumulate import (
-        accumulate_gradients,
-    )
-    from jaxdist.training.fit import (
+    from jaxdist.training.fit.fit import (
         fit,
     )
-    from jaxdist.training.losses import (
+    from jaxdist.training.step.accumulate import (
+        accumulate_gradients,
+    )
+    from jaxdist.training.step.losses import (
         compute_average_loss,
         scale_regularization_loss,
     )
-    from jaxdist.training.state import (
+    from jaxdist.training.step.state import (
         TrainState,
     )
-    from jaxdist.training.step import (
+    from jaxdist.training.step.train_step import (
         train_step,
     )
-    from jaxdist.values import (
+    from jaxdist.values.distributed import (
         DistributedValues,
         Mirrored,
         PerReplica,
     )
-    from jaxdist.variables._meta import (
-        VariableAggregation,
-        VariableSynchronization,
+    from jaxdist.values.reduce_op import (
+        ReduceOp,
     )
     from jaxdist.variables._variable import (
         Variable,
+    )
+    from jaxdist.variables.meta import (
+        VariableAggregation,
+        VariableSynchronization,
     )
 
 __version__ = "0.1.0"
@@ -125,51 +127,52 @@ __version__ = "0.1.0"
 # The public names, and the module that defines each.
 _PUBLIC: dict[str, str] = {
     "CentralStorageStrategy": "jaxdist.strategies.central_storage",
-    "CrossDeviceOps": "jaxdist.reduce",
+    "CrossDeviceOps": "jaxdist.collectives.cross_device_ops",
     "DistributedDataset": "jaxdist.input.dataset",
     "DistributedIterator": "jaxdist.input.dataset",
-    "DistributedValues": "jaxdist.values",
-    "HierarchicalCopyAllReduce": "jaxdist.reduce",
+    "DistributedValues": "jaxdist.values.distributed",
+    "HierarchicalCopyAllReduce": "jaxdist.collectives.cross_device_ops",
     "InputContext": "jaxdist.input.options",
     "InputOptions": "jaxdist.input.options",
     "InputReplicationMode": "jaxdist.input.options",
-    "Mirrored": "jaxdist.values",
+    "Mirrored": "jaxdist.values.distributed",
     "MirroredStrategy": "jaxdist.strategies.mirrored",
     "MultiWorkerMirroredStrategy": "jaxdist.strategies.multi_worker",
-    "NcclAllReduce": "jaxdist.reduce",
+    "NcclAllReduce": "jaxdist.collectives.cross_device_ops",
     "OneDeviceStrategy": "jaxdist.strategies.one_device",
     "ParameterServerStrategy": "jaxdist.experimental.parameter_server.strategy",
-    "PerReplica": "jaxdist.values",
-    "ReduceOp": "jaxdist._reduce_op",
-    "ReductionToOneDevice": "jaxdist.reduce",
+    "PerReplica": "jaxdist.values.distributed",
+    "ReduceOp": "jaxdist.values.reduce_op",
+    "ReductionToOneDevice": "jaxdist.collectives.cross_device_ops",
     "ReplicaContext": "jaxdist.context",
     "Server": "jaxdist.experimental.parameter_server.server",
-    "RunOptions": "jaxdist.options",
-    "Strategy": "jaxdist.strategy",
-    "StrategyExtended": "jaxdist.extended",
+    "RunOptions": "jaxdist.run_options",
+    "Strategy": "jaxdist.strategies.base",
+    "StrategyExtended": "jaxdist.strategies.extended",
     "TPUStrategy": "jaxdist.strategies.tpu",
-    "TrainState": "jaxdist.training.state",
+    "TrainState": "jaxdist.training.step.state",
     "Variable": "jaxdist.variables._variable",
-    "VariableAggregation": "jaxdist.variables._meta",
-    "VariableSynchronization": "jaxdist.variables._meta",
-    "accumulate_gradients": "jaxdist.training.accumulate",
-    "compute_average_loss": "jaxdist.training.losses",
+    "VariableAggregation": "jaxdist.variables.meta",
+    "VariableSynchronization": "jaxdist.variables.meta",
+    "accumulate_gradients": "jaxdist.training.step.accumulate",
+    "compute_average_loss": "jaxdist.training.step.losses",
     "coordinator": "jaxdist.experimental",
     "experimental_set_strategy": "jaxdist._scope",
-    "fit": "jaxdist.training.fit",
+    "fit": "jaxdist.training.fit.fit",
     "get_replica_context": "jaxdist.context",
     "get_strategy": "jaxdist._scope",
     "has_strategy": "jaxdist._scope",
     "in_cross_replica_context": "jaxdist._scope",
     "initialize": "jaxdist.cluster_resolver.initialize",
-    "scale_regularization_loss": "jaxdist.training.losses",
-    "train_step": "jaxdist.training.step",
+    "scale_regularization_loss": "jaxdist.training.step.losses",
+    "train_step": "jaxdist.training.step.train_step",
 }
 # Public submodules.
 _SUBMODULES: tuple[str, ...] = (
     "checkpoint",
     "cluster_resolver",
     "data",
+    "errors",
     "experimental",
     "tpu",
     "training",

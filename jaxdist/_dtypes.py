@@ -1,4 +1,4 @@
-"""Which dtypes a jaxdist value may have, and which casts lose information (private; the
+"""Which dtypes a jaxdist value may have, and which casts lose information (the
 bottom layer: used by values, input, variables and checkpoints)."""
 
 from __future__ import annotations

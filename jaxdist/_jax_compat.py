@@ -1,10 +1,10 @@
-"""Every JAX internal jaxdist reads, behind one small function each (private).
+"""Every JAX internal jaxdist reads, behind one small function each.
 
 jaxdist supports jax 0.10.2 up to the newest release. Anything it needs that is
 not JAX's public API (``jax._src``, ``jax.interpreters``, ``jax.extend``, the
 parameters of jaxpr equations, primitive names, JAX error texts, XLA flags) is
 read here and nowhere else, so a JAX upgrade that changes one touches this file
-only. ``tests/test_jax_compat.py`` checks each function against the installed
+only. ``tests/package/test_jax_compat.py`` checks each function against the installed
 JAX and fails loudly when JAX changes what it reads. Where a reading can fail on
 a JAX this file has not seen, the function says so (``None``, ``False``) and
 its caller takes a path that stays correct.

@@ -1,5 +1,5 @@
 """The scope state: which strategy is in effect, and whether a replica function is being
-traced (private; the shims `get_strategy`, `has_strategy`, ... are public through
+traced (the shims `get_strategy`, `has_strategy`, ... are public through
 ``jaxdist``).
 
 Everything reads one immutable `_State` held in a `contextvars.ContextVar`; there
@@ -9,7 +9,7 @@ variables ask it for the current strategy), so it knows strategies only through
 
 The one late-bound hook in jaxdist lives here: the *default* strategy (one
 device, what `get_strategy()` returns outside every scope) is defined near the
-top of the layers (`jaxdist.strategies.default`), registers itself here when it
+top of the layers (`jaxdist.strategies.default_strategy`), registers itself here when it
 is imported, and is imported by name at the first call that needs it. No other
 module imports upwards (an import-linter contract in ``make test`` holds that).
 """
@@ -25,6 +25,7 @@ import warnings
 from collections.abc import Callable, Iterator
 
 from jaxdist._protocols import ReplicaContextLike, StrategyLike
+from jaxdist.errors import StrategyMixingError
 
 __all__ = [
     "check_cross_replica",
@@ -48,25 +49,25 @@ class _State:
     scope_depth: int = 0
 
 
-_STATE: contextvars.ContextVar[_State] = contextvars.ContextVar("jaxdist_state", default=_State())  # noqa: B039 (frozen)
+STATE: contextvars.ContextVar[_State] = contextvars.ContextVar("jaxdist_state", default=_State())  # noqa: B039 (frozen)
 
 
 def current_state() -> _State:
     """The calling context's state (private)."""
-    return _STATE.get()
+    return STATE.get()
 
 
 @contextlib.contextmanager
-def _entered(state: _State) -> Iterator[None]:
-    token = _STATE.set(state)
+def entered(state: _State) -> Iterator[None]:
+    token = STATE.set(state)
     try:
         yield
     finally:
-        _STATE.reset(token)
+        STATE.reset(token)
 
 
 def _mixing_error(where: str, current: StrategyLike, new: StrategyLike) -> RuntimeError:
-    return RuntimeError(
+    return StrategyMixingError(
         f"{where}: mixing different strategies is not allowed: {current!r} is already in "
         f"effect and {new!r} was asked for. Leave the first strategy's scope (or call "
         "jaxdist.experimental_set_strategy(None)) before using the second."
@@ -76,14 +77,14 @@ def _mixing_error(where: str, current: StrategyLike, new: StrategyLike) -> Runti
 @contextlib.contextmanager
 def strategy_scope(strategy: StrategyLike) -> Iterator[StrategyLike]:
     """Implements `Strategy.scope()` (private; use the method)."""
-    state = _STATE.get()
+    state = STATE.get()
     if state.strategy is not None and state.strategy != strategy:
         raise _mixing_error(f"{type(strategy).__name__}.scope()", state.strategy, strategy)
     me = threading.get_ident()
     with _scopes_lock:
         _SCOPES_BY_THREAD.setdefault(me, []).append(strategy)
     try:
-        with _entered(
+        with entered(
             dataclasses.replace(state, strategy=strategy, scope_depth=state.scope_depth + 1)
         ):
             yield strategy
@@ -129,16 +130,16 @@ def _warn_if_scoped_elsewhere() -> None:
 @contextlib.contextmanager
 def replica_scope(ctx: ReplicaContextLike) -> Iterator[None]:
     """Marks the tracing of a replica function (private)."""
-    state = _STATE.get()
+    state = STATE.get()
     if state.strategy is not None and state.strategy != ctx.strategy and state.replica is None:
         raise _mixing_error(f"{type(ctx.strategy).__name__}.run", state.strategy, ctx.strategy)
-    with _entered(dataclasses.replace(state, strategy=ctx.strategy, replica=ctx, merging=False)):
+    with entered(dataclasses.replace(state, strategy=ctx.strategy, replica=ctx, merging=False)):
         yield
 
 
 def check_cross_replica(strategy: StrategyLike, method: str) -> None:
     """Raises `RuntimeError` when a cross-replica method is called from replica context."""
-    state = _STATE.get()
+    state = STATE.get()
     if state.replica is not None and not state.merging:
         name = type(strategy).__name__
         raise RuntimeError(
@@ -155,15 +156,15 @@ _DEFAULT: list[tuple[Callable[[], StrategyLike], type]] = []
 
 
 def register_default_strategy(factory: Callable[[], StrategyLike], cls: type) -> None:
-    """Called by `jaxdist.strategies.default` when it is imported (private)."""
+    """Called by `jaxdist.strategies.default_strategy` when it is imported (private)."""
     _DEFAULT[:] = [(factory, cls)]
 
 
-def _default_strategy() -> StrategyLike:
+def default_strategy() -> StrategyLike:
     if not _DEFAULT:
         # The one late-bound lookup (see the module docstring): the default strategy's
         # module registers itself when imported.
-        importlib.import_module("jaxdist.strategies.default")
+        importlib.import_module("jaxdist.strategies.default_strategy")
     return _DEFAULT[0][0]()
 
 
@@ -176,29 +177,29 @@ def _is_default(strategy: StrategyLike) -> bool:
 
 def get_strategy() -> StrategyLike:
     """The strategy in effect: the innermost scope's, else the default strategy."""
-    state = _STATE.get()
+    state = STATE.get()
     if state.strategy is not None:
         return state.strategy
     if _SCOPES_BY_THREAD:
         _warn_if_scoped_elsewhere()
-    return _default_strategy()
+    return default_strategy()
 
 
 def has_strategy() -> bool:
     """True inside a (non-default) strategy's scope or replica function."""
-    state = _STATE.get()
+    state = STATE.get()
     return state.strategy is not None and not _is_default(state.strategy)
 
 
 def in_cross_replica_context() -> bool:
     """True inside a strategy's scope but outside its replica functions (or in a merge_fn)."""
-    state = _STATE.get()
+    state = STATE.get()
     return state.strategy is not None and (state.replica is None or state.merging)
 
 
 def current_replica_context() -> ReplicaContextLike | None:
     """The replica context while a replica function is traced (not in a merge_fn)."""
-    state = _STATE.get()
+    state = STATE.get()
     return state.replica if state.replica is not None and not state.merging else None
 
 
@@ -208,11 +209,11 @@ def experimental_set_strategy(strategy: StrategyLike | None) -> None:
     Raises:
         RuntimeError: inside a ``strategy.scope()`` or a replica function.
     """
-    state = _STATE.get()
+    state = STATE.get()
     if state.scope_depth > 0 or state.replica is not None:
         raise RuntimeError(
             "jaxdist.experimental_set_strategy must be called outside any strategy scope and "
             f"replica function; {state.strategy!r} is in effect. Leave the `with "
             "strategy.scope():` block first."
         )
-    _STATE.set(_State(strategy=strategy))
+    STATE.set(_State(strategy=strategy))

@@ -18,9 +18,9 @@ from jax import lax
 
 from jaxdist._jax_compat import all_gather_invariant, is_tracer, varies
 from jaxdist._protocols import StrategyLike
-from jaxdist._reduce_op import ReduceOp
-from jaxdist._scope import _STATE, _default_strategy, _entered
-from jaxdist.values import DistributedValues, Mirrored, PerReplica
+from jaxdist._scope import STATE, default_strategy, entered
+from jaxdist.values.distributed import DistributedValues, Mirrored, PerReplica
+from jaxdist.values.reduce_op import ReduceOp
 from jaxdist.variables import Variable
 from jaxdist.variables._replica_updates import mirror_of, register_mirror, replica_update
 
@@ -38,16 +38,20 @@ class ReplicaContext:
 
     Attributes:
         strategy: the strategy running the function.
+        bound_to_axis: False only for the default replica context (outside any
+            replica function), whose collectives and updates are plain.
+        single_replica: one replica on a mesh of several devices (`TPUStrategy`
+            with one replica of several logical devices): every collective is an
+            identity and emits none.
+        mirrors: what the variables layer records while a replica function is
+            traced: ``id(per-replica view) -> (view, invariant value)`` of each
+            ``ON_WRITE`` variable input.
     """
 
     strategy: StrategyLike
-    _bound: bool = True
-    # One replica on a mesh of several devices (`TPUStrategy` with one replica of
-    # several logical devices): every collective is an identity and emits none.
-    _solo: bool = False
-    # id(per-replica view) -> (view, invariant value) of ON_WRITE variable inputs;
-    # filled while the replica function is traced (see jaxdist._replica_updates).
-    _mirrors: dict[int, tuple[Any, Any]] = dataclasses.field(
+    bound_to_axis: bool = True
+    single_replica: bool = False
+    mirrors: dict[int, tuple[Any, Any]] = dataclasses.field(
         default_factory=dict, compare=False, hash=False, repr=False
     )
     # The valid-row counts of the padded batches among the arguments, one entry per
@@ -61,10 +65,14 @@ class ReplicaContext:
         default_factory=lambda: [True], compare=False, hash=False, repr=False
     )
 
-    def _set_valid(self, counts: Any, replicated: bool) -> None:
+    def add_valid_counts(self, counts: Any, replicated: bool) -> None:
+        """Called by the run path for each padded batch among the arguments: its valid-row
+        counts, every replica's (``replicated``) or this replica's."""
         self._valid.append((counts, replicated))
 
-    def _close(self) -> None:
+    def end_trace(self) -> None:
+        """Called by the run path when the replica function returned: the context is no
+        longer usable (collectives on it then raise)."""
         self._live[0] = False
 
     def _used_as_value(self, *args: Any, **kwargs: Any) -> Any:
@@ -103,7 +111,7 @@ class ReplicaContext:
     def replica_id_in_sync_group(self) -> jax.Array:
         """This replica's index in ``[0, num_replicas_in_sync)`` (a traced int32)."""
         self._check_live("replica_id_in_sync_group")
-        if not self._bound:
+        if not self.bound_to_axis:
             return jnp.int32(0)
         return lax.axis_index(self.axis_name)
 
@@ -135,7 +143,7 @@ class ReplicaContext:
         counts, replicated = self._valid[0]
         if replicated:
             return jnp.sum(counts)
-        if self._solo:
+        if self.single_replica:
             return counts[0]
         return lax.psum(counts[0], self.axis_name)
 
@@ -170,7 +178,7 @@ class ReplicaContext:
         """
         op = ReduceOp.from_any(reduce_op, where="ReplicaContext.all_reduce")
         self._check_live("all_reduce")
-        if not self._bound or self._solo:
+        if not self.bound_to_axis or self.single_replica:
             return value
         axis: Any = self.axis_name  # a mesh axis name or a tuple of them
         return self.strategy.cross_device_ops.all_reduce(op, value, axis, options)
@@ -178,7 +186,7 @@ class ReplicaContext:
     def all_gather(self, value: Any, axis: int, options: Any = None) -> Any:
         """Concatenates every replica's ``value`` along ``axis`` (tiled), on every replica."""
         self._check_live("all_gather")
-        if not self._bound or self._solo:
+        if not self.bound_to_axis or self.single_replica:
             return value
         return jax.tree.map(
             lambda x: lax.all_gather(x, self.axis_name, axis=axis, tiled=True), value
@@ -207,7 +215,7 @@ class ReplicaContext:
                     f"into {n} equal slices along axis {axis}; pad that axis to a multiple "
                     f"of {n}."
                 )
-            if not self._bound or self._solo:
+            if not self.bound_to_axis or self.single_replica:
                 return x
             out = lax.psum_scatter(x, self.axis_name, scatter_dimension=axis, tiled=True)
             return out / n if op is ReduceOp.MEAN else out
@@ -223,7 +231,7 @@ class ReplicaContext:
                 f"ReplicaContext.broadcast: source_replica={source_replica} is outside "
                 f"[0, {n}) for {n} replicas."
             )
-        if not self._bound or self._solo:
+        if not self.bound_to_axis or self.single_replica:
             return value
         mine = lax.axis_index(self.axis_name) == source_replica
 
@@ -240,7 +248,7 @@ class ReplicaContext:
         """Splits ``split_axis`` into N chunks, sends chunk ``r`` to replica ``r``,
         and concatenates the received chunks along ``concat_axis``."""
         self._check_live("all_to_all")
-        if not self._bound or self._solo:
+        if not self.bound_to_axis or self.single_replica:
             return value
         return jax.tree.map(
             lambda x: lax.all_to_all(x, self.axis_name, split_axis, concat_axis, tiled=True),
@@ -252,9 +260,9 @@ class ReplicaContext:
         replicas that receive nothing get zeros (`jax.lax.ppermute`)."""
         self._check_live("ppermute")
         pairs = self._check_permutation(perm)
-        if not self._bound:
+        if not self.bound_to_axis:
             return value
-        if self._solo:  # one replica: (0, 0) keeps the value, no pair gives zeros
+        if self.single_replica:  # one replica: (0, 0) keeps the value, no pair gives zeros
             return value if pairs else jax.tree.map(jnp.zeros_like, value)
         return jax.tree.map(lambda x: lax.ppermute(x, self.axis_name, pairs), value)
 
@@ -327,17 +335,17 @@ class ReplicaContext:
             )
         self._check_live("merge_call")
         kwargs = {} if kwargs is None else kwargs
-        state = _STATE.get()
+        state = STATE.get()
         # merge_fn runs in the cross-replica context of this context's strategy (for the
         # default strategy too, as in TF).
         merged = dataclasses.replace(state, strategy=self.strategy, merging=True)
-        if not self._bound:
-            with _entered(merged):
+        if not self.bound_to_axis:
+            with entered(merged):
                 return merge_fn(self.strategy, *args, **kwargs)
         g_args, g_kwargs = jax.tree.map(
             self._gather_for_merge, (tuple(args), kwargs), is_leaf=_is_variable
         )
-        with _entered(merged):
+        with entered(merged):
             result = merge_fn(self.strategy, *g_args, **g_kwargs)
         return jax.tree.map(
             self._scatter_from_merge,
@@ -356,21 +364,21 @@ class ReplicaContext:
 
     def _stack(self, x: Any) -> Any:
         """Every replica's ``x`` stacked on a new leading axis (invariant)."""
-        if self._solo:
+        if self.single_replica:
             return x[None]
         return all_gather_invariant(x, self.axis_name)
 
     def _variable_for_merge(self, var: Any) -> Any:
         """A variable as ``merge_fn`` sees it: the cross-replica variable (TF's
         ``MirroredVariable``), mirrored value or every replica's copy."""
-        meta = var._meta
+        meta = var.meta
         if not meta.local:
             return var
         if var.is_on_read:
-            stored = self._stack(var._stored)
+            stored = self._stack(var.stored)
         else:
             stored = mirror_of(self, var, "ReplicaContext.merge_call")
-        return var._make(stored, dataclasses.replace(meta, local=False))
+        return var.from_stored(stored, dataclasses.replace(meta, local=False))
 
     def _scatter_from_merge(self, x: Any) -> Any:
         if _is_variable(x):
@@ -385,16 +393,16 @@ class ReplicaContext:
 
     def _variable_from_merge(self, var: Any) -> Any:
         """A variable ``merge_fn`` returned, as each replica sees it again."""
-        meta = var._meta
+        meta = var.meta
         if meta.local:
             return var
         if var.is_on_read:
             stored = lax.dynamic_index_in_dim(
-                var._stored, lax.axis_index(self.axis_name), axis=0, keepdims=False
+                var.stored, lax.axis_index(self.axis_name), axis=0, keepdims=False
             )
         else:
-            stored = register_mirror(self, var._stored)
-        return var._make(stored, dataclasses.replace(meta, local=True))
+            stored = register_mirror(self, var.stored)
+        return var.from_stored(stored, dataclasses.replace(meta, local=True))
 
 
 def _is_variable(x: Any) -> bool:
@@ -404,9 +412,9 @@ def _is_variable(x: Any) -> bool:
 def get_replica_context() -> ReplicaContext | None:
     """The replica context while a replica function is traced; ``None`` in cross-replica
     context; outside any strategy, the default strategy's (one replica) context."""
-    state = _STATE.get()
+    state = STATE.get()
     if state.replica is not None and not state.merging:
         return state.replica  # type: ignore[return-value]  # always a ReplicaContext
     if state.strategy is None:
-        return ReplicaContext(_default_strategy(), _bound=False)
+        return ReplicaContext(default_strategy(), bound_to_axis=False)
     return None

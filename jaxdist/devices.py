@@ -1,4 +1,4 @@
-"""Turning tf.distribute-style device specs into `jax.Device` objects (private).
+"""Turning tf.distribute-style device specs into `jax.Device` objects.
 
 Accepted: a `jax.Device`; an int (index into `jax.devices()`); a string such as
 ``"/gpu:0"``, ``"GPU:1"``, ``"/device:CPU:3"`` or

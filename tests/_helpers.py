@@ -2,16 +2,24 @@
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import json
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
+import textwrap
+import threading
+import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
@@ -20,6 +28,12 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxdist as jd
+
+TESTS = Path(__file__).resolve().parent
+"""This folder: the test folders' shared helpers (this module, ``_hlo``) are imported from
+here, and the scripts tests run by path sit in ``mp_scripts/`` and ``launch_scripts/``."""
+
+REPO = TESTS.parent
 
 
 def value(x: Any) -> np.ndarray:
@@ -83,13 +97,14 @@ def run_workers(code: str, processes: int = 2, timeout: float = 200) -> list[Any
     localhost (CPU only); returns each one's last line of output, parsed as JSON, in
     process order. Fails the test with the stderr tails when a process fails or hangs."""
     port = str(free_port())
-    env = {"JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin"}
+    env = {"JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin", "PYTHONPATH": _pythonpath()}
     procs = [
         subprocess.Popen(
             [sys.executable, "-c", code, str(i), port],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
+            cwd=REPO,
             env=env,
         )
         for i in range(processes)
@@ -113,7 +128,184 @@ def run_workers(code: str, processes: int = 2, timeout: float = 200) -> list[Any
     return out
 
 
-REPO = Path(__file__).resolve().parents[1]
+def _pythonpath() -> str:
+    """``PYTHONPATH`` with this checkout first (its jaxdist, not an installed one)."""
+    return os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+
+
+def _checkout_env(devices: int) -> dict[str, str]:
+    """This process's environment for a fresh interpreter on ``devices`` simulated CPU
+    devices and this checkout's jaxdist."""
+    return {
+        **os.environ,
+        "JAX_PLATFORMS": "cpu",
+        "JAX_NUM_CPU_DEVICES": str(devices),
+        "PYTHONPATH": _pythonpath(),
+    }
+
+
+def start_python(code: str, *args: str, devices: int = 8) -> subprocess.Popen:
+    """Starts ``python -c code *args`` like `run_python`, its output piped (text); finish
+    it with `finish`."""
+    return subprocess.Popen(
+        [sys.executable, "-c", code, *args],
+        cwd=REPO,
+        env=_checkout_env(devices),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def finish(proc: subprocess.Popen, timeout: float) -> tuple[str, str]:
+    """The stdout and stderr of ``proc`` once it ends; fails the test with the stderr tail
+    (and kills it) when it does not end within ``timeout`` seconds."""
+    try:
+        return proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        _, err = proc.communicate()
+        pytest.fail(f"the program did not finish in {timeout} s; stderr tail: {err[-3000:]}")
+
+
+def sigterm_at(proc: subprocess.Popen, line: str, timeout: float) -> tuple[str, str]:
+    """Sends ``proc`` (started by `start_python`) SIGTERM once it prints ``line`` (within
+    ``timeout`` seconds), then returns its stdout and stderr from there on (`finish`)."""
+    try:
+        assert proc.stdout is not None
+        deadline = time.monotonic() + timeout
+        got = ""
+        while got.strip() != line and time.monotonic() < deadline:
+            got = proc.stdout.readline()
+            if not got and proc.poll() is not None:
+                break
+        assert got.strip() == line, f"no {line!r}: {proc.communicate()[1][-3000:]}"
+        proc.send_signal(signal.SIGTERM)
+        return finish(proc, timeout)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def load_npz(path: Path) -> list[np.ndarray]:
+    """The arrays of an ``np.savez(path, *arrays)`` file, in order."""
+    with np.load(path) as f:
+        return [f[f"arr_{i}"] for i in range(len(f.files))]
+
+
+def flip_middle_byte(directory: Path, mask: int = 0x10) -> tuple[Path, bytes]:
+    """Damages the largest file under ``directory`` (in a checkpoint: an array's data) by
+    XOR-ing ``mask`` into its middle byte; returns the file and its damaged bytes."""
+    files = [p for p in directory.rglob("*") if p.is_file()]
+    data = max(files, key=lambda p: p.stat().st_size)
+    raw = bytearray(data.read_bytes())
+    raw[len(raw) // 2] ^= mask
+    data.write_bytes(bytes(raw))
+    return data, bytes(raw)
+
+
+def partial_saves(directory: Path) -> list[str]:
+    """The temporary directories of a second save (``ckpt-2``) not yet complete: orbax
+    writes into "ckpt-2.tmp.orbax-checkpoint-tmp*", renamed to "ckpt-2.tmp" when done."""
+    return [n for n in os.listdir(directory) if n.startswith("ckpt-2.tmp")]
+
+
+def _written(directory: Path) -> int:
+    """Bytes in the files of the second save's temporary directories so far."""
+    total = 0
+    for name in partial_saves(directory):
+        for here, _, files in os.walk(directory / name):
+            for f in files:
+                with contextlib.suppress(OSError):  # renamed or removed meanwhile
+                    total += os.path.getsize(os.path.join(here, f))
+    return total
+
+
+# A process that saves 200 MB twice (argv: the directory, then "sync" or "async"); after
+# the first save it prints "saved"; an asynchronous one trains on while the second is written.
+_SAVES_TWICE = """
+import sys
+import jax, jax.numpy as jnp
+import numpy as np
+import jaxdist as jd
+
+asynchronous = sys.argv[2] == "async"
+
+
+def big(seed):  # 200 MB of random floats (incompressible: 200 MB on disk too)
+    rng = np.random.default_rng(seed)
+    return {k: jnp.asarray(rng.standard_normal(25_000_000, dtype=np.float32)) for k in "ab"}
+
+
+ckpt = jd.checkpoint.Checkpoint(state=big(1), step=jnp.int32(1))
+manager = jd.checkpoint.CheckpointManager(
+    ckpt, sys.argv[1], max_to_keep=1, enable_async_checkpointing=asynchronous
+)
+manager.save()
+if asynchronous:
+    manager.wait_until_finished()
+print("saved", flush=True)
+ckpt.state, ckpt.step = big(2), jnp.int32(2)
+manager.save()  # killed while this one is written (in the background if asynchronous)
+if asynchronous:  # training goes on meanwhile
+    step = jax.jit(lambda x: x * 1.0001)
+    x = jnp.ones(1000)
+    while True:
+        x = step(x).block_until_ready()
+print("finished", flush=True)
+"""
+
+
+def kill_mid_save(tmp_path: Path, asynchronous: bool, at: int = 16 * 2**20) -> Path:
+    """Runs a process that saves 200 MB of random floats (``state``: arrays ``a`` and ``b``
+    from ``np.random.default_rng(1)``, then ``(2)``) twice into ``tmp_path / "run"``, as
+    ``ckpt-1`` and ``ckpt-2``, and kills it (SIGKILL) once ``at`` bytes of the second save
+    are on disk; returns that directory. Its stderr goes to ``tmp_path / "stderr.txt"``; the
+    test fails if it ends by itself, writes nothing, or leaves a complete ``ckpt-2`` or no
+    partial one."""
+    directory, log = tmp_path / "run", tmp_path / "stderr.txt"
+    mode = "async" if asynchronous else "sync"
+    with (
+        log.open("w") as stderr,
+        subprocess.Popen(
+            [sys.executable, "-c", _SAVES_TWICE, str(directory), mode],
+            stdout=subprocess.PIPE,
+            stderr=stderr,
+            text=True,
+            env={"JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin", "PYTHONPATH": _pythonpath()},
+        ) as proc,
+    ):
+        try:
+            assert proc.stdout is not None
+            assert proc.stdout.readline().strip() == "saved", log.read_text()[-3000:]
+            deadline = time.monotonic() + 120
+            while _written(directory) < at and proc.poll() is None:
+                assert time.monotonic() < deadline, "the second save wrote nothing in 120 s"
+                time.sleep(0.002)
+            assert proc.poll() is None, f"the process ended: {log.read_text()[-3000:]}"
+            assert _written(directory) >= at, f"no second save: {log.read_text()[-3000:]}"
+            proc.send_signal(signal.SIGKILL)
+            proc.wait(timeout=30)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+    assert proc.returncode == -signal.SIGKILL
+    assert not (directory / "ckpt-2").exists()  # killed before the rename
+    assert partial_saves(directory)  # what the killed save left
+    return directory
+
+
+def assert_restores_the_first_save(manager: Any, ckpt: Any, directory: Path) -> None:
+    """``manager`` (of ``ckpt``, in ``directory`` after `kill_mid_save`) sees ``ckpt-1``
+    alone and restores it, verified, bit for bit."""
+    assert [os.path.basename(p) for p in manager.checkpoints] == ["ckpt-1"]
+    assert manager.restore_or_initialize() == str(directory / "ckpt-1")  # verified
+    assert int(ckpt.step) == 1 and ckpt.save_counter == 1
+    rng = np.random.default_rng(1)  # the first save's values, made again
+    for k in "ab":
+        np.testing.assert_array_equal(
+            np.asarray(ckpt.state[k]), rng.standard_normal(25_000_000, dtype=np.float32)
+        )
 
 
 def run_python(code: str, *args: str, timeout: float = 200, devices: int = 8) -> Any:
@@ -122,17 +314,11 @@ def run_python(code: str, *args: str, timeout: float = 200, devices: int = 8) ->
 
     For code that can end the process (an XLA abort, a segmentation fault) or hang: the
     test fails with the exit status and the stderr tail instead of taking pytest down."""
-    env = {
-        **os.environ,
-        "JAX_PLATFORMS": "cpu",
-        "JAX_NUM_CPU_DEVICES": str(devices),
-        "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
-    }
     try:
         proc = subprocess.run(
             [sys.executable, "-c", code, *args],
             cwd=REPO,
-            env=env,
+            env=_checkout_env(devices),
             capture_output=True,
             text=True,
             timeout=timeout,
@@ -166,6 +352,12 @@ jax.distributed.initialize(
     process_id=int(sys.argv[1]), initialization_timeout=60,
 )
 """
+
+
+def worker_script(body: str) -> str:
+    """The script of each process of a 2 x 4-device localhost job (for `run_workers`):
+    `WORKER_PREAMBLE`, then ``body`` (dedented), then ``jax.distributed.shutdown()``."""
+    return WORKER_PREAMBLE + textwrap.dedent(body) + "jax.distributed.shutdown()\n"
 
 
 def all_reduce_count(hlo: str) -> int:
@@ -208,3 +400,116 @@ def hand_written_step_hlo(
     data = NamedSharding(mesh, P(axis))
     lowered = hand.lower(params, opt_state, jax.device_put(x, data), jax.device_put(y, data))
     return str(lowered.compile().as_text())
+
+
+# Shared models and data ------------------------------------------------------------------
+
+
+def _shape(rows: int | tuple[int, ...], rest: int | tuple[int, ...]) -> tuple[int, ...]:
+    """``rows`` (a count, or leading dims such as ``(steps, batch)``) followed by ``rest``."""
+    lead = (rows,) if isinstance(rows, int) else tuple(rows)
+    return lead + ((rest,) if isinstance(rest, int) else tuple(rest))
+
+
+def regression_data(
+    rows: int | tuple[int, ...],
+    features: int | tuple[int, ...],
+    targets: int | tuple[int, ...] = (),
+    seed: int = 0,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Inputs ``x`` (``rows`` x ``features``) and targets ``y`` (``rows`` x ``targets``;
+    one number per row by default), standard normal float32, drawn in that order from
+    ``np.random.default_rng(seed)``. ``rows`` may be leading dims, e.g. ``(steps, batch)``."""
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=_shape(rows, features)).astype(np.float32)
+    y = rng.normal(size=_shape(rows, targets)).astype(np.float32)
+    return x, y
+
+
+def classification_data(
+    rows: int | tuple[int, ...], features: int | tuple[int, ...], classes: int, seed: int = 0
+) -> tuple[np.ndarray, np.ndarray]:
+    """Inputs ``x`` (``rows`` x ``features``, standard normal float32), then integer labels
+    ``y`` in ``[0, classes)`` (int32, one per row), from ``np.random.default_rng(seed)``."""
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=_shape(rows, features)).astype(np.float32)
+    y = rng.integers(0, classes, size=_shape(rows, ())).astype(np.int32)
+    return x, y
+
+
+def linear_data(rows: int, weights: Any, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """Inputs ``x`` (``rows`` x ``len(weights)``, standard normal) and exact linear targets
+    ``y = x @ weights``, float32, from ``np.random.default_rng(seed)``."""
+    w = np.asarray(weights, np.float32)
+    x = np.random.default_rng(seed).normal(size=(rows, w.shape[0])).astype(np.float32)
+    return x, (x @ w).astype(np.float32)
+
+
+class TanhMLP(nnx.Module):
+    """Dense layers ``l1``, ``l2``, ... of the given ``sizes`` (``TanhMLP((4, 8, 3), rngs)``:
+    4 -> 8 -> 3) with tanh between them; with a ``dropout`` rate, an ``nnx.Dropout``
+    (``drop``, made before the last layer) after the last tanh. Bind the sizes of a test
+    module's model once: ``MLP = functools.partial(TanhMLP, (FEATURES, 8, CLASSES))``."""
+
+    def __init__(self, sizes: Sequence[int], rngs: nnx.Rngs, dropout: float | None = None) -> None:
+        self.depth = len(sizes) - 1
+        for i, (fan_in, fan_out) in enumerate(itertools.pairwise(sizes), 1):
+            if i == self.depth and dropout is not None:
+                self.drop = nnx.Dropout(dropout, rngs=rngs)
+            setattr(self, f"l{i}", nnx.Linear(fan_in, fan_out, rngs=rngs))
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        for i in range(1, self.depth):
+            x = jnp.tanh(getattr(self, f"l{i}")(x))
+        if hasattr(self, "drop"):
+            x = self.drop(x)
+        return getattr(self, f"l{self.depth}")(x)
+
+
+def small_nnx_model(strategy: jd.Strategy, dropout: float = 0.0) -> tuple[TanhMLP, Any]:
+    """A 6 -> 16 -> 3 `TanhMLP` with dropout (``nnx.Rngs(0, dropout=1)``) and its
+    ``adamw(1e-2)`` ``nnx.Optimizer``, made in ``strategy``'s scope."""
+    with strategy.scope():
+        model = TanhMLP((6, 16, 3), nnx.Rngs(0, dropout=1), dropout)
+        opt = nnx.Optimizer(model, optax.adamw(1e-2), wrt=nnx.Param)
+    return model, opt
+
+
+def mse_step(strategy: jd.Strategy, **kw: Any) -> Any:
+    """``jd.train_step(strategy, **kw)`` of an NNX model and optimizer on ``(x, y)``
+    batches: mean squared error, gradients all-reduced; returns the summed loss."""
+
+    @jd.train_step(strategy, **kw)
+    def step(ctx, model, opt, batch):  # type: ignore[no-untyped-def]
+        x, y = batch
+
+        def loss_fn(m):  # type: ignore[no-untyped-def]
+            return jd.compute_average_loss(jnp.mean((m(x) - y) ** 2, axis=-1))
+
+        loss, grads = nnx.value_and_grad(loss_fn)(model)
+        opt.update(model, ctx.all_reduce("sum", grads))
+        return ctx.all_reduce("sum", loss)
+
+    return step
+
+
+def in_threads(count: int, target: Callable[[int], Any]) -> list[BaseException]:
+    """Runs ``target(k)`` in ``count`` threads started together; returns their errors."""
+    errors: list[BaseException] = []
+    barrier = threading.Barrier(count)
+
+    def run(k: int) -> None:
+        try:
+            barrier.wait()
+            target(k)
+        except BaseException as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(k,), name=f"audit-{k}") for k in range(count)]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 60
+    for t in threads:
+        t.join(max(0.0, deadline - time.monotonic()))
+    assert not any(t.is_alive() for t in threads), "a thread did not finish"
+    return errors

@@ -1,9 +1,21 @@
-"""Strategy fixtures (the 8 simulated devices are set up by the root conftest.py)."""
+"""Strategy fixtures (the 8 simulated devices are set up by the root conftest.py).
+
+The tests sit in folders that mirror the package (``tests/values/`` for ``jaxdist/values/``,
+...); they import the shared helpers ``_helpers`` and ``_hlo`` from this folder, which is on
+``sys.path`` for every import mode (pytest's default puts it there too, as this file's
+folder). Test file names are unique across the folders (the folders are not packages).
+"""
+
+import sys
+from pathlib import Path
 
 import jax
 import pytest
 
 import jaxdist as jd
+
+if str(Path(__file__).parent) not in sys.path:
+    sys.path.insert(0, str(Path(__file__).parent))
 
 
 @pytest.fixture

@@ -19,16 +19,9 @@ orbax-checkpoint is needed for the files (``pip install 'jaxdist[checkpoint]'``)
 """
 
 from jaxdist.checkpoint._arrays import from_saveable, to_saveable
-
-# Private helpers of jaxdist.training (the manifest's record and check of a host tree, and
-# the path names leaves are matched by), re-exported from here as before.
-from jaxdist.checkpoint._arrays import is_saved_node as is_saved_node
-from jaxdist.checkpoint._arrays import path_tokens as path_tokens
 from jaxdist.checkpoint._checkpoint import Checkpoint
 from jaxdist.checkpoint._manager import CheckpointManager
 from jaxdist.checkpoint._storage import MANIFEST, restore, save
-from jaxdist.checkpoint._storage import manifest_leaves as manifest_leaves
-from jaxdist.checkpoint._storage import verify_leaves as verify_leaves
 
 __all__ = [
     "MANIFEST",

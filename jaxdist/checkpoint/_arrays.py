@@ -86,11 +86,23 @@ import numpy as np
 
 from jaxdist._dtypes import lossy_cast, numeric
 from jaxdist._scope import get_strategy
-from jaxdist.values import DistributedValues, Mirrored, PerReplica
+from jaxdist.values.distributed import DistributedValues, Mirrored, PerReplica
 from jaxdist.variables import ShardedVariable, Variable
-from jaxdist.variables._meta import _mirrored_sharding
+from jaxdist.variables.meta import mirrored_sharding
 
-__all__ = ["Placed", "from_saveable", "host_copy", "to_saveable"]
+__all__ = [
+    "Placed",
+    "from_saveable",
+    "host_copy",
+    "indexed",
+    "is_key",
+    "is_saved_node",
+    "listed",
+    "path_tokens",
+    "restore_tree",
+    "show",
+    "to_saveable",
+]
 
 _LIST_AT_MOST = 5
 
@@ -101,7 +113,7 @@ def is_saved_node(x: Any) -> bool:
     return isinstance(x, (Variable, ShardedVariable, DistributedValues))
 
 
-def _is_key(x: Any) -> bool:
+def is_key(x: Any) -> bool:
     """True for a typed random key array (or a struct of one)."""
     dtype = getattr(x, "dtype", None)
     return dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
@@ -109,10 +121,10 @@ def _is_key(x: Any) -> bool:
 
 def _saved_value(x: Any) -> Any:
     if isinstance(x, (Variable, ShardedVariable)):
-        return np.asarray(x._checkpoint_value())
+        return np.asarray(x.checkpoint_value())
     if isinstance(x, DistributedValues):
         return np.asarray(x.array)
-    if isinstance(x, jax.Array) and _is_key(x):
+    if isinstance(x, jax.Array) and is_key(x):
         return np.asarray(jax.random.key_data(x))
     return np.asarray(x)
 
@@ -171,26 +183,28 @@ def path_tokens(path: Sequence[Any]) -> tuple[str, ...]:
     return tuple(out)
 
 
-def _show(tokens: Sequence[str]) -> str:
+def show(tokens: Sequence[str]) -> str:
+    """A path's names as an error message shows them: ``['w'][0]``, or ``<root>``."""
     if not tokens:
         return "<root>"
     return "".join(f"[{t}]" if t.isdigit() else f"[{t!r}]" for t in tokens)
 
 
-def _listed(paths: Sequence[tuple[str, ...]]) -> str:
-    shown = ", ".join(_show(p) for p in paths[:_LIST_AT_MOST])
+def listed(paths: Sequence[tuple[str, ...]]) -> str:
+    """The first few paths as `show` writes them, and how many more there are."""
+    shown = ", ".join(show(p) for p in paths[:_LIST_AT_MOST])
     more = len(paths) - _LIST_AT_MOST
     return shown + (f" and {more} more" if more > 0 else "")
 
 
-def _indexed(where: str, tree: Any) -> dict[tuple[str, ...], Any]:
+def indexed(where: str, tree: Any) -> dict[tuple[str, ...], Any]:
     """The leaves of a saved tree by path."""
     out: dict[tuple[str, ...], Any] = {}
     for path, leaf in jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_saved_node)[0]:
         key = path_tokens(path)
         if key in out:
             raise ValueError(
-                f"{where}: the saved state has two entries named {_show(key)} (for example the "
+                f"{where}: the saved state has two entries named {show(key)} (for example the "
                 "dict keys 0 and '0'); give them distinct names."
             )
         out[key] = leaf
@@ -265,7 +279,7 @@ def _restore_leaf(where: str, name: str, saved: Any, t: Any) -> Any:
     if isinstance(t, (Variable, ShardedVariable)):
         what = "variable" if isinstance(t, Variable) else "sharded variable"
         _check_leaf(where, name, s, t.shape, t.dtype, f"{what} {t.name!r}")
-        return t._restore(s)
+        return t.restored(s)
     if isinstance(t, PerReplica):
         n, rows = t.shape[0], s.shape[0] if s.ndim else 0
         if rows != n and s.ndim == len(t.shape) and s.shape[1:] == t.shape[1:]:
@@ -282,7 +296,7 @@ def _restore_leaf(where: str, name: str, saved: Any, t: Any) -> Any:
     if isinstance(t, Mirrored):
         _check_leaf(where, name, s, t.shape, t.dtype, "the template's Mirrored value")
         return _Put(s.astype(t.dtype, copy=False), t.array.sharding, Mirrored)
-    if isinstance(t, jax.Array) and _is_key(t):
+    if isinstance(t, jax.Array) and is_key(t):
         data = jax.random.key_data(t)
         _check_leaf(where, name, s, data.shape, data.dtype, "the template's random key data")
         impl = jax.random.key_impl(t)
@@ -324,7 +338,7 @@ class Placed:
 @dataclasses.dataclass(frozen=True)
 class _Put:
     """A host array to place on ``sharding`` (None: uncommitted), then pass to ``finish``;
-    `_restore_tree` places all of them in one batched transfer."""
+    `restore_tree` places all of them in one batched transfer."""
 
     value: np.ndarray
     sharding: Any
@@ -362,14 +376,14 @@ def _place(values: list[Any]) -> list[Any]:
 def _restore_struct(where: str, name: str, s: np.ndarray, t: jax.ShapeDtypeStruct) -> Any:
     """A saved array for a `jax.ShapeDtypeStruct` leaf: on its sharding, or mirrored on the
     enclosing scope's strategy."""
-    if _is_key(t):
+    if is_key(t):
         raise ValueError(
             f"{where}: {name} is a jax.ShapeDtypeStruct of the random key dtype {t.dtype}; "
             "its key implementation cannot be read from a struct. Give a key array there "
             "(e.g. jax.random.key(0)), whose implementation the restored key takes."
         )
     _check_leaf(where, name, s, t.shape, t.dtype, "the template's jax.ShapeDtypeStruct")
-    sharding = t.sharding if t.sharding is not None else _mirrored_sharding(get_strategy())
+    sharding = t.sharding if t.sharding is not None else mirrored_sharding(get_strategy())
     return _Put(s.astype(t.dtype, copy=False), sharding)
 
 
@@ -380,8 +394,9 @@ def _placed(saved: Placed, t: Any) -> Any:
     return saved.array
 
 
-def _restore_tree(where: str, saved: Any, template: Any) -> Any:
-    leaves = _indexed(where, saved)
+def restore_tree(where: str, saved: Any, template: Any) -> Any:
+    """`from_saveable` for the caller ``where``: also takes `Placed` leaves (see `_storage`)."""
+    leaves = indexed(where, saved)
     t_flat, t_def = jax.tree_util.tree_flatten_with_path(template, is_leaf=is_saved_node)
     t_keys = [path_tokens(path) for path, _ in t_flat]
     known = set(t_keys)
@@ -390,9 +405,9 @@ def _restore_tree(where: str, saved: Any, template: Any) -> Any:
     if missing or extra:
         parts = []
         if missing:
-            parts.append(f"the template has {_listed(missing)}, which the checkpoint lacks")
+            parts.append(f"the template has {listed(missing)}, which the checkpoint lacks")
         if extra:
-            parts.append(f"the checkpoint has {_listed(extra)}, which the template lacks")
+            parts.append(f"the checkpoint has {listed(extra)}, which the template lacks")
         raise ValueError(
             f"{where}: the checkpoint does not match the template: {'; '.join(parts)}. "
             "Leaves are matched by path (dict keys, attribute names, positions), not by "
@@ -402,7 +417,7 @@ def _restore_tree(where: str, saved: Any, template: Any) -> Any:
     out = [
         _placed(leaves[k], t)
         if isinstance(leaves[k], Placed)
-        else _restore_leaf(where, _show(k), _saved_value(leaves[k]), t)
+        else _restore_leaf(where, show(k), _saved_value(leaves[k]), t)
         for k, (_, t) in zip(t_keys, t_flat, strict=True)
     ]
     return jax.tree.unflatten(t_def, _place(out))
@@ -428,4 +443,4 @@ def from_saveable(saved: Any, template: Any) -> Any:
             lossy dtype conversion, or a `PerReplica` saved under another
             replica count (see the module docstring).
     """
-    return _restore_tree("jaxdist.checkpoint.from_saveable", saved, template)
+    return restore_tree("jaxdist.checkpoint.from_saveable", saved, template)

@@ -31,7 +31,7 @@ import numpy as np
 from jaxdist.checkpoint import _arrays, _files, _items, _storage
 from jaxdist.checkpoint._finite import refuse_nonfinite
 
-__all__ = ["Checkpoint", "Snapshot"]
+__all__ = ["Checkpoint", "Snapshot", "set_save_counter", "take_snapshot"]
 
 META = "jaxdist_checkpoint.json"
 _FORMAT = "jaxdist-checkpoint"
@@ -62,7 +62,7 @@ def _check_name(name: str) -> None:
 def _plain(where: str, tree: Any) -> Any:
     """The leaves of ``tree`` as nested dicts keyed by their path names (orbax-checkpoint
     stores those as they are; the restore matches leaves by the same names)."""
-    flat = _arrays._indexed(where, tree)  # raises on two leaves with one name
+    flat = _arrays.indexed(where, tree)  # raises on two leaves with one name
     if list(flat) == [()]:
         return flat[()]
     out: dict[str, Any] = {}
@@ -157,8 +157,8 @@ class Checkpoint:
         count = self._save_counter
         object.__setattr__(self, "_save_counter", count + 1)
         try:
-            snapshot = self._snapshot(
-                "jaxdist.checkpoint.Checkpoint.save", allow_nonfinite=allow_nonfinite
+            snapshot = take_snapshot(
+                self, "jaxdist.checkpoint.Checkpoint.save", allow_nonfinite=allow_nonfinite
             )
         except BaseException:
             object.__setattr__(self, "_save_counter", count)
@@ -175,30 +175,7 @@ class Checkpoint:
             The absolute path written.
         """
         where = "jaxdist.checkpoint.Checkpoint.write"
-        return self._snapshot(where, allow_nonfinite=allow_nonfinite).write(path)
-
-    def _snapshot(
-        self, where: str, *, frozen: bool = False, allow_nonfinite: bool = False
-    ) -> Snapshot:
-        """The items' values now, on the host, ready to be written (private to jaxdist).
-
-        Everything that can fail on the items' side fails here, before anything is
-        written. ``frozen``: nothing can change the arrays (`_arrays.host_copy`), so the
-        items may change, and their device buffers be donated, while the snapshot is
-        written (an asynchronous save); otherwise NumPy items are taken as they are.
-        """
-        kinds = {name: _items.kind_of(item) for name, item in self._items.items()}
-        trees, positions = {}, {}
-        for name, item in self._items.items():
-            if kinds[name] == _items.ITERATOR:
-                positions[name] = _iterator_state(where, name, item)
-            else:
-                trees[name] = _plain(where, _items.tree_of(item, kinds[name]))
-        arrays = {"save_counter": np.int64(self._save_counter), "items": trees}
-        host = _arrays.host_copy(arrays) if frozen else _arrays.to_saveable(arrays)
-        if not allow_nonfinite:
-            refuse_nonfinite(where, host["items"])
-        return Snapshot(kinds=kinds, arrays=host, positions=positions)
+        return take_snapshot(self, where, allow_nonfinite=allow_nonfinite).write(path)
 
     # Restoring --------------------------------------------------------------------------
 
@@ -260,9 +237,41 @@ class Checkpoint:
             object.__setattr__(self, "_save_counter", int(restored["save_counter"]))
 
 
+def take_snapshot(
+    checkpoint: Checkpoint, where: str, *, frozen: bool = False, allow_nonfinite: bool = False
+) -> Snapshot:
+    """``checkpoint``'s items now, on the host, ready to be written (`Checkpoint.save`,
+    `Checkpoint.write`, `CheckpointManager.save`).
+
+    Everything that can fail on the items' side fails here, before anything is
+    written. ``frozen``: nothing can change the arrays (`_arrays.host_copy`), so the
+    items may change, and their device buffers be donated, while the snapshot is
+    written (an asynchronous save); otherwise NumPy items are taken as they are.
+    """
+    items = checkpoint._items
+    kinds = {name: _items.kind_of(item) for name, item in items.items()}
+    trees, positions = {}, {}
+    for name, item in items.items():
+        if kinds[name] == _items.ITERATOR:
+            positions[name] = _iterator_state(where, name, item)
+        else:
+            trees[name] = _plain(where, _items.tree_of(item, kinds[name]))
+    arrays = {"save_counter": np.int64(checkpoint._save_counter), "items": trees}
+    host = _arrays.host_copy(arrays) if frozen else _arrays.to_saveable(arrays)
+    if not allow_nonfinite:
+        refuse_nonfinite(where, host["items"])
+    return Snapshot(kinds=kinds, arrays=host, positions=positions)
+
+
+def set_save_counter(checkpoint: Checkpoint, count: int) -> None:
+    """Sets ``checkpoint``'s `save_counter` (`CheckpointManager.save` counts its saves there,
+    and takes the count back when the save is refused)."""
+    object.__setattr__(checkpoint, "_save_counter", count)
+
+
 @dataclasses.dataclass(frozen=True)
 class Snapshot:
-    """A `Checkpoint`'s items taken on the host (`Checkpoint._snapshot`), written by `write`.
+    """A `Checkpoint`'s items taken on the host (`take_snapshot`), written by `write`.
 
     Writing runs no JAX computation and no XLA collective (only file operations and
     barriers of the ``jax.distributed`` coordination service), so it may run in a

@@ -1,4 +1,4 @@
-"""Files that appear whole or not at all, and the processes' turns at writing them (private).
+"""Files that appear whole or not at all, and the processes' turns at writing them.
 
 A checkpoint directory is written under a temporary name, flushed to disk
 (`fsync_tree`) and renamed into place (`publish`): a rename within one

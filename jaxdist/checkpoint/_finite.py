@@ -1,4 +1,4 @@
-"""The non-finite check of saved state (private): a checkpoint of NaN or infinite values
+"""The non-finite check of saved state: a checkpoint of NaN or infinite values
 is refused unless the caller allows it (``allow_nonfinite=True``), so a diverged run does
 not replace its last good checkpoints with a dead state."""
 

@@ -1,4 +1,4 @@
-"""What a `Checkpoint` can hold, and how each kind is saved and put back (private).
+"""What a `Checkpoint` can hold, and how each kind is saved and put back.
 
 Three kinds of items:
 

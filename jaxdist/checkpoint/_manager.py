@@ -39,7 +39,7 @@ from typing import Any
 import numpy as np
 
 from jaxdist.checkpoint import _files
-from jaxdist.checkpoint._checkpoint import Checkpoint, Snapshot
+from jaxdist.checkpoint._checkpoint import Checkpoint, Snapshot, set_save_counter, take_snapshot
 
 __all__ = ["CheckpointManager"]
 
@@ -238,17 +238,18 @@ class CheckpointManager:
         self.wait_until_finished()
         ckpt = self._checkpoint
         counter = ckpt.save_counter + 1
-        object.__setattr__(ckpt, "_save_counter", counter)
+        set_save_counter(ckpt, counter)
         number = counter if checkpoint_number is None else _number(checkpoint_number)
         name = f"{self._name}-{number}"
         try:
-            snapshot = ckpt._snapshot(
+            snapshot = take_snapshot(
+                ckpt,
                 "jaxdist.checkpoint.CheckpointManager.save",
                 frozen=self._async,
                 allow_nonfinite=allow_nonfinite,
             )
         except BaseException:
-            object.__setattr__(ckpt, "_save_counter", counter - 1)
+            set_save_counter(ckpt, counter - 1)
             raise
         if not self._async:
             return self._write(snapshot, name)

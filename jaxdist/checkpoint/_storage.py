@@ -26,18 +26,19 @@ from jaxdist._scope import get_strategy
 from jaxdist.checkpoint import _files
 from jaxdist.checkpoint._arrays import (
     Placed,
-    _indexed,
-    _is_key,
-    _listed,
-    _restore_tree,
-    _show,
+    indexed,
+    is_key,
     is_saved_node,
+    listed,
     path_tokens,
+    restore_tree,
+    show,
     to_saveable,
 )
 from jaxdist.checkpoint._finite import refuse_nonfinite
-from jaxdist.values import Mirrored, PerReplica
-from jaxdist.variables._meta import _mirrored_sharding
+from jaxdist.errors import CheckpointVerificationError
+from jaxdist.values.distributed import Mirrored, PerReplica
+from jaxdist.variables.meta import mirrored_sharding
 
 __all__ = ["MANIFEST", "manifest_leaves", "restore", "save", "verify_leaves", "write_saveable"]
 
@@ -68,14 +69,14 @@ def _direct_sharding(t: Any, saved: Any) -> Any:
     if isinstance(t, (Mirrored, PerReplica)):
         t = t.array
     if isinstance(t, jax.ShapeDtypeStruct):
-        sharding = t.sharding if t.sharding is not None else _mirrored_sharding(get_strategy())
+        sharding = t.sharding if t.sharding is not None else mirrored_sharding(get_strategy())
     elif isinstance(t, jax.Array) and getattr(t, "committed", True):
         sharding = t.sharding
     else:
         return None
     shape, dtype = getattr(saved, "shape", None), getattr(saved, "dtype", None)
     if (
-        _is_key(t)
+        is_key(t)
         or shape is None
         or dtype is None
         or tuple(shape) != tuple(t.shape)
@@ -171,7 +172,7 @@ def _entry(leaf: Any) -> dict[str, Any]:
 
 def _entries(where: str, tree: Any) -> dict[tuple[str, ...], dict[str, Any]]:
     """Dtype, shape and checksum of every leaf of a saved tree, by path."""
-    return {path: _entry(leaf) for path, leaf in _indexed(where, tree).items()}
+    return {path: _entry(leaf) for path, leaf in indexed(where, tree).items()}
 
 
 class _Hashing:
@@ -201,7 +202,7 @@ def write_saveable(path: str, saveable: Any) -> None:
     thread while training goes on (`CheckpointManager`'s asynchronous saves).
     """
     if _files.is_primary():
-        hashing = _Hashing(_indexed("jaxdist.checkpoint.save", saveable))  # while orbax writes
+        hashing = _Hashing(indexed("jaxdist.checkpoint.save", saveable))  # while orbax writes
         try:
             ckpt = _writer()
             try:
@@ -261,7 +262,7 @@ _SKIP = "pass verify=False to restore without checking (at your own risk)"
 def _read_manifest(where: str, path: str) -> dict[tuple[str, ...], dict[str, Any]]:
     file = os.path.join(path, MANIFEST)
     if not os.path.exists(file):
-        raise ValueError(
+        raise CheckpointVerificationError(
             f"{where}: {path} has no checksum manifest {MANIFEST}: the save did not finish, "
             f"or the checkpoint was not written by jaxdist.checkpoint.save. Restore an earlier "
             f"checkpoint, or {_SKIP}."
@@ -277,7 +278,7 @@ def _read_manifest(where: str, path: str) -> dict[tuple[str, ...], dict[str, Any
 
 
 def _damaged(where: str, record: str, path: str, error: Exception) -> ValueError:
-    return ValueError(
+    return CheckpointVerificationError(
         f"{where}: {record} is damaged ({type(error).__name__}: {error}), so the checkpoint "
         f"in {path} cannot be verified. Restore an earlier checkpoint, or {_SKIP}."
     )
@@ -303,16 +304,16 @@ def _compare(
     if set(found) != set(expected):
         extra = sorted(set(found) - set(expected))
         lost = sorted(set(expected) - set(found))
-        raise ValueError(
+        raise CheckpointVerificationError(
             f"{where}: the checkpoint in {path} does not hold the leaves its manifest lists: "
-            f"unlisted {_listed(extra) or 'none'}; missing {_listed(lost) or 'none'}. {fix}"
+            f"unlisted {listed(extra) or 'none'}; missing {listed(lost) or 'none'}. {fix}"
         )
     for key, want in expected.items():
         got = found[key]
         for field in ("dtype", "shape", "sha256"):
             if got[field] != want[field]:
-                raise ValueError(
-                    f"{where}: leaf {_show(key)} of the checkpoint in {path} does not match its "
+                raise CheckpointVerificationError(
+                    f"{where}: leaf {show(key)} of the checkpoint in {path} does not match its "
                     f"manifest: {field} is {got[field]} but {want[field]} was saved. {fix}"
                 )
 
@@ -347,12 +348,12 @@ def restore(directory: str | os.PathLike[str], template: Any, *, verify: bool = 
             f"{e}). It is incomplete or damaged; restore an earlier checkpoint."
         ) from e
     if not verify:
-        return _restore_tree(where, saved, template)
+        return restore_tree(where, saved, template)
     # The leaves are hashed while they are placed; nothing is returned unless they verify,
     # and a damaged checkpoint is reported before a template that does not fit it.
-    hashing = _Hashing(_indexed(where, saved))
+    hashing = _Hashing(indexed(where, saved))
     try:
-        restored = _restore_tree(where, saved, template)
+        restored = restore_tree(where, saved, template)
     except ValueError:
         _compare(where, path, expected, hashing.result())
         raise

@@ -1,4 +1,4 @@
-"""Failing processes of a multi-process job end at once (private; `initialize` installs it).
+"""Failing processes of a multi-process job end at once (`initialize` installs it).
 
 A process of a `jax.distributed` job that ends through Python's normal exit
 runs `jax.distributed`'s shutdown, a barrier that waits (up to

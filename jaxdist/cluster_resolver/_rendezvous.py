@@ -1,4 +1,4 @@
-"""Start-up rendezvous (private): every process of a job checks in before `jax.distributed` starts.
+"""Start-up rendezvous: every process of a job checks in before `jax.distributed` starts.
 
 `jax.distributed.initialize` waits silently until every process has
 connected, and when one never does, JAX ends each process after the

@@ -52,7 +52,7 @@ from typing import Any
 
 import jax
 
-from jaxdist._jax_compat import backends_initialized as _backends_initialized
+from jaxdist._jax_compat import backends_initialized as backends_initialized
 from jaxdist._jax_compat import distributed_cluster
 from jaxdist.cluster_resolver import _fail_fast, _rendezvous
 from jaxdist.cluster_resolver.base import COLLECTIVE_JOBS, ClusterResolver
@@ -166,7 +166,7 @@ def _supported(fn: Callable[..., Any], kwargs: dict[str, Any]) -> dict[str, Any]
     return {k: v for k, v in kwargs.items() if k in parameters}
 
 
-def _multi_process_kwargs(resolver: ClusterResolver | None) -> dict[str, Any] | None:
+def multi_process_kwargs(resolver: ClusterResolver | None) -> dict[str, Any] | None:
     """The resolver's `jax.distributed` arguments if this task joins a job of several JAX
     processes, else ``None``: no cluster, one process, or a task outside the collective
     group (private; `MultiWorkerMirroredStrategy` asks it too)."""
@@ -253,7 +253,7 @@ def initialize(
             "shutdown_timeout_seconds",
         ),
     }
-    kwargs = _multi_process_kwargs(resolver)
+    kwargs = multi_process_kwargs(resolver)
     if kwargs is None:
         return resolver
     cluster = (kwargs["coordinator_address"], kwargs["num_processes"], kwargs["process_id"])
@@ -280,7 +280,7 @@ def initialize(
                 f"now asked for {_describe(cluster, source)}. Pass the matching resolver, or "
                 "let jaxdist.initialize() start jax.distributed."
             )
-        if _backends_initialized():
+        if backends_initialized():
             raise RuntimeError(
                 "jaxdist.initialize(): JAX's backend has already started in this process "
                 "(something called jax.devices(), created an array or ran a computation), so "

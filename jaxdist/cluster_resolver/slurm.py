@@ -13,7 +13,7 @@ import warnings
 from collections.abc import Mapping
 from typing import Any
 
-from jaxdist._jax_compat import backends_initialized as _backends_initialized
+from jaxdist._jax_compat import backends_initialized as backends_initialized
 from jaxdist.cluster_resolver.base import ClusterResolver
 from jaxdist.cluster_resolver.cluster_spec import ClusterSpec
 
@@ -335,7 +335,7 @@ class SlurmClusterResolver(ClusterResolver):
         current = os.environ.get("CUDA_VISIBLE_DEVICES")
         if current == value:
             return
-        if _backends_initialized():
+        if backends_initialized():
             warnings.warn(
                 f"SlurmClusterResolver: did not set CUDA_VISIBLE_DEVICES={value!r} for task "
                 f"{self._rank} because JAX's backend has already started in this process, so it "

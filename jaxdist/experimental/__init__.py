@@ -10,20 +10,20 @@ import importlib
 import importlib.util
 from typing import Any
 
-from jaxdist._programs import set_program_cache_size
-from jaxdist.communication import (
+from jaxdist._run.programs import set_program_cache_size
+from jaxdist.collectives.communication import (
     CollectiveHints,
     CommunicationImplementation,
     CommunicationOptions,
 )
 from jaxdist.experimental import partitioners
-from jaxdist.experimental._preemption import PreemptionCheckpointHandler, TerminationConfig
+from jaxdist.experimental.preemption.handler import PreemptionCheckpointHandler, TerminationConfig
 from jaxdist.input.options import AutoShardPolicy
 from jaxdist.strategies.central_storage import CentralStorageStrategy
 from jaxdist.strategies.fsdp import FSDPStrategy
 from jaxdist.strategies.multi_worker import MultiWorkerMirroredStrategy
 from jaxdist.strategies.tpu import TPUStrategy
-from jaxdist.values import ValueContext
+from jaxdist.values.distributed import ValueContext
 from jaxdist.variables import ShardedVariable
 
 __all__ = [

@@ -1,4 +1,4 @@
-"""Ending every process's epoch on the same step when their sources are uneven (private).
+"""Ending every process's epoch on the same step when their sources are uneven.
 
 When each process of a job reads its own data (`distribute_datasets_from_function`,
 or `experimental_distribute_dataset` with ``AutoShardPolicy.OFF``), the

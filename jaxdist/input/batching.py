@@ -1,4 +1,4 @@
-"""Turning host batches into per-replica device batches (private).
+"""Turning host batches into per-replica device batches.
 
 `Batcher` checks each batch (array leaves, one batch size), splits a global
 batch into per-replica rows (replica ``r`` of a full batch gets rows
@@ -25,8 +25,8 @@ from jaxdist._dtypes import numeric
 from jaxdist._jax_compat import place_host_arrays
 from jaxdist._protocols import StrategyLike
 from jaxdist.input.options import AutoShardPolicy, InputOptions
-from jaxdist.values import DistributedValues, PerReplica
-from jaxdist.values import _unflatten_per_replica as _per_replica
+from jaxdist.values.distributed import DistributedValues, PerReplica
+from jaxdist.values.distributed import unflatten_per_replica as _per_replica
 
 HostBatch = tuple[list[np.ndarray], np.ndarray]
 

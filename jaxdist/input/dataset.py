@@ -200,7 +200,7 @@ class DistributedIterator:
         """Places (starts the transfers of) the batch about to be returned and up to
         ``buffer`` more that are ready, so they reach the devices while the step runs.
         Only the first is waited for. A failure is kept in line and raised when its batch
-        is due. After a grouped call (`_next_group`), full batches are placed ``_group``
+        is due. After a grouped call (`next_group`), full batches are placed ``_group``
         at a time, as `PlacedGroup`s."""
         ahead, buffer, place, host = self._ahead, self._buffer, self._batcher.place, self._host
         forming, group, is_full = self._forming, self._group, self._batcher.is_full
@@ -270,7 +270,7 @@ class DistributedIterator:
             item = (self._split_off(item, 1) if item.count > 1 else item).batch()
         return item
 
-    def _next_group(self, k: int) -> list[tuple[Any, int]]:
+    def next_group(self, k: int) -> list[tuple[Any, int]]:
         """Up to ``k`` next batches for a grouped train step, in order: ``(batch, 1)`` for
         a batch placed alone, ``(group, count)`` for a `PlacedGroup`; empty at the end.
         From this call on, batches read ahead are grouped ``k`` at a time (one host copy

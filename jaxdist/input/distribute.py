@@ -1,4 +1,4 @@
-"""The two ways to distribute input (private; reached through `Strategy` methods).
+"""The two ways to distribute input (reached through `Strategy` methods).
 
 `distribute_dataset`: a source of *global* batches (an iterable, a
 `jaxdist.data.ArrayDataset`, a grain dataset or loader, a ``tf.data.Dataset``)

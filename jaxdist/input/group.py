@@ -1,4 +1,4 @@
-"""Consecutive full batches placed on the devices together (private).
+"""Consecutive full batches placed on the devices together.
 
 ``jd.train_step(..., steps_per_execution=k)`` runs k batches in one compiled
 call and wants them as one array per leaf, ``(replicas, k, b, ...)``. A
@@ -19,7 +19,7 @@ import numpy as np
 
 from jaxdist.input.batching import HostBatch, Rows
 from jaxdist.input.host_pool import aligned_empty
-from jaxdist.values import PerReplica
+from jaxdist.values.distributed import PerReplica
 
 __all__ = ["PlacedGroup", "stack_steps"]
 

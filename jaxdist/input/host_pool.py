@@ -1,4 +1,4 @@
-"""Host buffers for the batches a prefetch thread copies out of its source (private).
+"""Host buffers for the batches a prefetch thread copies out of its source.
 
 A Python generator may refill one buffer for every batch it yields, and the
 prefetch thread resumes the source while earlier batches are still queued or

@@ -1,4 +1,4 @@
-"""Where a distributed iterator is in its data, and how to start reading there again (private).
+"""Where a distributed iterator is in its data, and how to start reading there again.
 
 An iterator's *state* (`DistributedIterator.get_state`) is a small JSON-able
 dict: the dataset epoch it reads, how many batches it has returned to the

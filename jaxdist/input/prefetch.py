@@ -1,4 +1,4 @@
-"""The prefetch thread of a distributed iterator (private).
+"""The prefetch thread of a distributed iterator.
 
 For a general source (a Python generator, grain, tf.data), a background thread
 runs the source and splits its batches on the host, so a slow source overlaps

@@ -1,4 +1,4 @@
-"""Creating training state directly in slices over a strategy's devices (private).
+"""Creating training state directly in slices over a strategy's devices.
 
 `FSDPStrategy.experimental_create` runs an initializer (a function building NNX
 objects, a `TrainState`, or a pytree of arrays) without the whole state ever
@@ -7,7 +7,7 @@ existing on one device:
 1. ``fn`` is traced abstractly (``nnx.eval_shape``, ``jax.eval_shape`` without
    Flax): only shapes and dtypes, no memory;
 2. every leaf's ``/``-joined path is laid out by the strategy's rules
-   (`FSDPStrategy._state_dims`: the same decision, and errors, as the train
+   (`FSDPStrategy.state_dims`: the same decision, and errors, as the train
    step's);
 3. ``fn`` runs inside ``jax.jit`` with ``out_shardings`` of those layouts, so
    XLA's partitioner computes each device's slice on that device (random
@@ -30,8 +30,8 @@ from typing import Any
 import jax
 from jax.sharding import NamedSharding
 
-from jaxdist._compile import dim_spec, path_str
-from jaxdist.strategy import Strategy
+from jaxdist._run.compile import dim_spec, path_str
+from jaxdist.strategies.base import Strategy
 
 __all__ = ["create_sharded", "key_str", "sharded_initializer"]
 

@@ -1,4 +1,4 @@
-"""The collective watchdog of a multi-process strategy (private; `MultiWorkerMirroredStrategy`).
+"""The collective watchdog of a multi-process strategy (`MultiWorkerMirroredStrategy`).
 
 Every process of a multi-process `MultiWorkerMirroredStrategy` job runs one
 (a one-process job runs none). The strategy counts the programs it

@@ -8,7 +8,7 @@ from typing import Any
 import jax
 
 from jaxdist.devices import resolve_device, resolve_devices
-from jaxdist.strategy import Strategy
+from jaxdist.strategies.base import Strategy
 
 __all__ = ["CentralStorageStrategy"]
 
@@ -41,7 +41,7 @@ class CentralStorageStrategy(Strategy):
         object.__setattr__(self, "_parameter_device", param)
         super().__init__(devices)
 
-    def _extra_key(self) -> tuple[Any, ...]:
+    def extra_key(self) -> tuple[Any, ...]:
         return (self._parameter_device,)
 
     @property

@@ -11,7 +11,7 @@ gradients; the updated state leaves the step as each device's slice again.
 Since only slices are kept, the step computes only slices: a gradient sum
 whose result is needed sliced is a reduce-scatter, the optimizer's
 element-wise update runs on each device's slice, and the optimizer state is
-never gathered (`jaxdist._sliced_eval`). The results are those of
+never gathered (`jaxdist._run.sliced_eval`). The results are those of
 `MirroredStrategy` (the same operations on the same values; a reduce-scatter
 may add in another order than an all-reduce).
 
@@ -45,7 +45,7 @@ import numpy as np
 
 from jaxdist.devices import resolve_devices
 from jaxdist.strategies._sharded_create import create_sharded
-from jaxdist.strategy import Strategy
+from jaxdist.strategies.base import Strategy
 
 __all__ = ["DEFAULT_MIN_SHARD_BYTES", "FSDPStrategy", "state_layout"]
 
@@ -282,7 +282,7 @@ class FSDPStrategy(Strategy):
         )
         super().__init__(resolve_devices(devices, where=f"{_WHERE}(devices=...)"))
 
-    def _extra_key(self) -> tuple[Any, ...]:
+    def extra_key(self) -> tuple[Any, ...]:
         return (self._min_shard_bytes, self._rules, self._max_replicated_fraction)
 
     def __repr__(self) -> str:
@@ -311,7 +311,7 @@ class FSDPStrategy(Strategy):
         """The dimension each ``(path, array)`` state leaf is sharded on (``None``:
         replicated), by this strategy's rules; raises ``ValueError`` listing every
         leaf that cannot be placed."""
-        return self._state_dims(leaves, self._name("state_layout"))
+        return self.state_dims(leaves, self._name("state_layout"))
 
     def experimental_create(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """Calls ``fn(*args, **kwargs)`` to build the training state directly in slices:
@@ -347,10 +347,10 @@ class FSDPStrategy(Strategy):
             True
         """
         return create_sharded(
-            self, self._state_dims, fn, args, kwargs, self._name("experimental_create")
+            self, self.state_dims, fn, args, kwargs, self._name("experimental_create")
         )
 
-    def _state_dims(self, leaves: Sequence[tuple[str, Any]], where: str) -> list[int | None]:
+    def state_dims(self, leaves: Sequence[tuple[str, Any]], where: str) -> list[int | None]:
         return state_layout(
             leaves,
             self.num_replicas_in_sync,

@@ -5,9 +5,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from jaxdist.collectives.cross_device_ops import CrossDeviceOps
 from jaxdist.devices import resolve_devices
-from jaxdist.reduce import CrossDeviceOps
-from jaxdist.strategy import AXIS_NAME, Strategy
+from jaxdist.strategies.base import AXIS_NAME, Strategy
 
 __all__ = ["MirroredStrategy"]
 

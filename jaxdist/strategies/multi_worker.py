@@ -98,15 +98,15 @@ from typing import Any
 
 import jax
 
-from jaxdist import _launch_config
 from jaxdist._jax_compat import CPU_COLLECTIVE_TIMEOUT_FLAG, distributed_client
 from jaxdist.cluster_resolver import ClusterResolver, initialize, resolve_default
 from jaxdist.cluster_resolver.base import COLLECTIVE_JOBS
-from jaxdist.cluster_resolver.initialize import _backends_initialized, _multi_process_kwargs
-from jaxdist.communication import CommunicationOptions
-from jaxdist.reduce import CrossDeviceOps, cross_device_ops_for
+from jaxdist.cluster_resolver.initialize import backends_initialized, multi_process_kwargs
+from jaxdist.collectives.communication import CommunicationOptions
+from jaxdist.collectives.cross_device_ops import CrossDeviceOps, cross_device_ops_for
+from jaxdist.launch import config
 from jaxdist.strategies._watchdog import DEFAULT_LOG_INTERVAL, DEFAULT_TIMEOUT, Watchdog
-from jaxdist.strategy import Strategy
+from jaxdist.strategies.base import Strategy
 
 __all__ = ["MultiWorkerMirroredStrategy"]
 
@@ -115,8 +115,8 @@ _CPU_TIMEOUT_FLAG = CPU_COLLECTIVE_TIMEOUT_FLAG
 _FLAG_PATTERN = re.compile(rf"(?:^|\s){re.escape(_CPU_TIMEOUT_FLAG)}=(\S*)")
 
 
-ENV_COLLECTIVE_TIMEOUT = _launch_config.ENV_COLLECTIVE_TIMEOUT  # --collective-timeout
-ENV_LOG_INTERVAL = _launch_config.ENV_WATCHDOG_LOG_INTERVAL  # --watchdog-log-interval
+ENV_COLLECTIVE_TIMEOUT = config.ENV_COLLECTIVE_TIMEOUT  # --collective-timeout
+ENV_LOG_INTERVAL = config.ENV_WATCHDOG_LOG_INTERVAL  # --watchdog-log-interval
 _XLA_BACKSTOP = 10  # XLA's CPU collective timeout is the watchdog's plus this
 _DEFAULT_SOURCE = (
     "the default timeout of a multi-process job; CommunicationOptions(timeout_seconds=T), "
@@ -124,7 +124,7 @@ _DEFAULT_SOURCE = (
     "it off"
 )
 # What a program dispatched by a cross-replica operation is, by the name of the Strategy /
-# StrategyExtended / variable method that dispatches it (through `Strategy._gated`).
+# StrategyExtended / variable method that dispatches it (through `Strategy.gated`).
 _CROSS_REPLICA = {
     "reduce": "strategy.reduce",
     "gather": "strategy.gather",
@@ -179,7 +179,7 @@ def _watchdog_settings(options: CommunicationOptions, where: str) -> tuple[float
 def _program_name(call: Callable[..., Any]) -> str:
     """What a compiled program is, for the watchdog's lines: ``strategy.run(fn)`` for
     `Program`'s ``jaxdist_<fn>``, ``train_step(fn)`` for ``jaxdist_train_step_<fn>``."""
-    candidates = [call]
+    candidates = [call, getattr(call, "jitted", None)]  # a train step's `StepProgram`
     for cell in getattr(call, "__closure__", None) or ():
         with contextlib.suppress(ValueError):  # an empty cell
             candidates.append(cell.cell_contents)
@@ -226,9 +226,9 @@ def _set_collective_timeout(
     flags = os.environ.get("XLA_FLAGS", "")
     if _flag_value(flags) == str(seconds):
         return
-    if default and (_flag_value(flags) is not None or _backends_initialized()):
+    if default and (_flag_value(flags) is not None or backends_initialized()):
         return
-    if _backends_initialized():
+    if backends_initialized():
         current = _flag_value(flags)
         now = "XLA's default (1800 s)" if current is None else f"{current} s"
         raise RuntimeError(
@@ -324,7 +324,7 @@ class MultiWorkerMirroredStrategy(Strategy):
                     f"{where}: {e} This strategy runs on the chief and the workers only; "
                     "parameter servers belong to jd.experimental.ParameterServerStrategy."
                 ) from e
-        multi_process = resolver is not None and _multi_process_kwargs(resolver) is not None
+        multi_process = resolver is not None and multi_process_kwargs(resolver) is not None
         timeout, source, interval = 0.0, "", 0.0
         if multi_process:  # cross-process collectives: watched
             timeout, source, interval = _watchdog_settings(communication_options, where)
@@ -350,26 +350,26 @@ class MultiWorkerMirroredStrategy(Strategy):
         object.__setattr__(self, "_communication_options", communication_options)
         super().__init__(devices, ops, mesh_shape=(processes, local), axis_names=AXES)
 
-    def _caller(
+    def program_caller(
         self, call: Callable[[tuple[Any, ...], dict[str, Any]], Any]
     ) -> Callable[[tuple[Any, ...], dict[str, Any]], Any]:
         """The base per-call path; with a watchdog, each call counts as a step it watches."""
-        caller = super()._caller(call)
+        caller = super().program_caller(call)
         if self._watchdog is None:
             return caller
         return self._watchdog.wrap(caller, _program_name(call))
 
-    def _gated(self, thunk: Callable[[], Any]) -> Any:
+    def gated(self, thunk: Callable[[], Any]) -> Any:
         """The base path of cross-replica operations; with a watchdog, one that dispatches
         a program (its output holds a concrete array) counts as a step it watches."""
-        out = super()._gated(thunk)
+        out = super().gated(thunk)
         if self._watchdog is not None:
             caller = sys._getframe(1).f_code.co_name
             what = _CROSS_REPLICA.get(caller, f"cross-replica {caller}")
             self._watchdog.dispatched_if_any(out, what)
         return out
 
-    def _extra_key(self) -> tuple[Any, ...]:
+    def extra_key(self) -> tuple[Any, ...]:
         return (self._communication_options,)
 
     @property

@@ -7,7 +7,7 @@ from typing import Any
 import jax
 
 from jaxdist.devices import resolve_device
-from jaxdist.strategy import Strategy
+from jaxdist.strategies.base import Strategy
 
 __all__ = ["OneDeviceStrategy"]
 

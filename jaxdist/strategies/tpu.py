@@ -31,8 +31,8 @@ from jax.sharding import PartitionSpec as P
 from jaxdist._scope import current_replica_context
 from jaxdist.cluster_resolver import ClusterResolver, initialize
 from jaxdist.devices import LOGICAL_AXIS_NAME
-from jaxdist.extended import StrategyExtended
-from jaxdist.strategy import Strategy
+from jaxdist.strategies.base import Strategy
+from jaxdist.strategies.extended import StrategyExtended
 
 __all__ = ["LOGICAL_AXIS_NAME", "TPUStrategy", "TPUStrategyExtended"]
 
@@ -90,7 +90,7 @@ class TPUStrategyExtended(StrategyExtended):
     @property
     def num_hosts(self) -> int:
         """The number of processes (hosts) holding a replica's first logical device."""
-        return len({d.process_index for d in self._strategy._devices})
+        return len({d.process_index for d in self._strategy.replica_devices})
 
     @property
     def num_replicas_per_host(self) -> int:
@@ -167,13 +167,13 @@ class TPUStrategy(Strategy):
         object.__setattr__(self, "_logical_grid", grid)
         super().__init__(tuple(grid[:, 0]))
 
-    def _make_mesh(self, grid: np.ndarray, axis_names: tuple[str, ...]) -> Mesh:
+    def make_mesh(self, grid: np.ndarray, axis_names: tuple[str, ...]) -> Mesh:
         if self._device_assignment is None:
-            return super()._make_mesh(grid, axis_names)
+            return super().make_mesh(grid, axis_names)
         names = (*axis_names, LOGICAL_AXIS_NAME)
         return Mesh(self._logical_grid, names, axis_types=(AxisType.Auto,) * len(names))
 
-    def _extra_key(self) -> tuple[Any, ...]:
+    def extra_key(self) -> tuple[Any, ...]:
         grid = self._logical_grid
         return (grid.shape, tuple(grid.flat), self._device_assignment is None)
 
@@ -184,10 +184,10 @@ class TPUStrategy(Strategy):
             f"platform={self._devices[0].platform})"
         )
 
-    def _caller(
+    def program_caller(
         self, call: Callable[[tuple[Any, ...], dict[str, Any]], Any]
     ) -> Callable[[tuple[Any, ...], dict[str, Any]], Any]:
-        caller = super()._caller(call)
+        caller = super().program_caller(call)
         if self.num_replicas_in_sync > 1 or self.num_logical_devices_per_replica == 1:
             return caller
         note = (

@@ -1,4 +1,4 @@
-"""Ring orders through a 3-D grid of chips (private; used by `DeviceAssignment.build`).
+"""Ring orders through a 3-D grid of chips (used by `DeviceAssignment.build`).
 
 TensorFlow places the chips of a replica, and the replicas of a fully
 replicated computation, along closed rings through the chip mesh, so that

@@ -1,4 +1,4 @@
-"""`Topology`: where each device sits in a 4-D (x, y, z, core) mesh (private; public
+"""`Topology`: where each device sits in a 4-D (x, y, z, core) mesh (public
 through ``jaxdist.tpu.experimental``).
 
 TensorFlow's ``tf.tpu.experimental.Topology`` describes a TPU slice by its

@@ -1,14 +1,22 @@
-"""Training on top of strategies: train steps, functional state, losses, the fit loop."""
+"""Training on top of strategies: train steps, functional state, losses, the fit loop.
 
-from jaxdist.training._guards import HostBatchWarning
-from jaxdist.training.accumulate import accumulate_gradients
-from jaxdist.training.callbacks import Callback, EarlyStopping, FitLoop, TerminateOnNaN
-from jaxdist.training.checkpoints import Checkpoint, Restored, restore_checkpoint
-from jaxdist.training.fit import FitInterrupted, FitPreempted, History, fit
-from jaxdist.training.losses import compute_average_loss, scale_regularization_loss
-from jaxdist.training.mixed_precision import DynamicLossScale, all_finite, select_tree
-from jaxdist.training.state import TrainState
-from jaxdist.training.step import TrainStep, train_step
+The train step (`train_step`, `TrainStep`, `TrainState`, losses, gradient
+accumulation, loss scaling) lives in `jaxdist.training.step`; the loop (`fit`, its
+callbacks, checkpoints and resuming) in `jaxdist.training.fit`, which builds on the
+step. `ModelCheckpoint` is Keras's name for the `Checkpoint` callback.
+"""
+
+from jaxdist.training.fit.callbacks import Callback, EarlyStopping, FitLoop, TerminateOnNaN
+from jaxdist.training.fit.checkpoints import Checkpoint, Restored, restore_checkpoint
+from jaxdist.training.fit.fit import FitInterrupted, FitPreempted, History, fit
+from jaxdist.training.step.accumulate import accumulate_gradients
+from jaxdist.training.step.guards import HostBatchWarning
+from jaxdist.training.step.losses import compute_average_loss, scale_regularization_loss
+from jaxdist.training.step.mixed_precision import DynamicLossScale, all_finite, select_tree
+from jaxdist.training.step.state import TrainState
+from jaxdist.training.step.train_step import StepOptions, TrainStep, train_step
+
+ModelCheckpoint = Checkpoint  # Keras's name for the fit callback that saves checkpoints
 
 __all__ = [
     "Callback",
@@ -19,8 +27,10 @@ __all__ = [
     "FitPreempted",
     "FitLoop",
     "History",
+    "ModelCheckpoint",
     "HostBatchWarning",
     "Restored",
+    "StepOptions",
     "TerminateOnNaN",
     "TrainState",
     "TrainStep",

@@ -1,4 +1,4 @@
-"""Reading a variable like an array (private): conversions and tf.Variable's operator
+"""Reading a variable like an array: conversions and tf.Variable's operator
 overloads, each applied to the variable's value (`read_value`)."""
 
 from __future__ import annotations

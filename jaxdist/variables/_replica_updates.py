@@ -1,4 +1,4 @@
-"""Variable updates inside a replica function: aggregation of ON_WRITE updates (private).
+"""Variable updates inside a replica function: aggregation of ON_WRITE updates.
 
 An ``ON_WRITE`` variable enters the replica function as a per-replica value (so
 gradients with respect to it are per-replica) while its replica-invariant
@@ -17,8 +17,9 @@ from jax import lax
 
 from jaxdist._jax_compat import varies
 from jaxdist._protocols import ReplicaContextLike
-from jaxdist.variables._meta import VariableAggregation
+from jaxdist.errors import ReplicaDivergenceError
 from jaxdist.variables._variable import Variable
+from jaxdist.variables.meta import VariableAggregation
 
 Agg = VariableAggregation
 
@@ -26,19 +27,19 @@ Agg = VariableAggregation
 def register_mirror(ctx: ReplicaContextLike, invariant: Any) -> Any:
     """Returns the per-replica view of an ON_WRITE input and remembers its invariant value."""
     per_replica = lax.pcast(invariant, ctx.axis_name, to="varying")
-    ctx._mirrors[id(per_replica)] = (per_replica, invariant)
+    ctx.mirrors[id(per_replica)] = (per_replica, invariant)
     return per_replica
 
 
 def mirror_of(ctx: ReplicaContextLike, var: Variable, where: str) -> Any:
     """The replica-invariant current value of an ON_WRITE variable."""
-    value = var._stored
+    value = var.stored
     if not varies(value, ctx.axis_name):
         return value
-    entry = ctx._mirrors.get(id(value))
+    entry = ctx.mirrors.get(id(value))
     if entry is not None and entry[0] is value:
         return entry[1]
-    raise varying_variable_error(var._meta, where)
+    raise varying_variable_error(var.meta, where)
 
 
 def varying_variable_error(meta: Any, where: str) -> ValueError:
@@ -54,7 +55,7 @@ def varying_variable_error(meta: Any, where: str) -> ValueError:
 
 def _aggregate(ctx: ReplicaContextLike, var: Variable, x: Any, where: str) -> Any:
     agg = var.aggregation
-    if ctx._solo:  # one replica: every aggregation keeps its update
+    if ctx.single_replica:  # one replica: every aggregation keeps its update
         return x
     varying = varies(x, ctx.axis_name)
     if agg is Agg.SUM:
@@ -62,7 +63,7 @@ def _aggregate(ctx: ReplicaContextLike, var: Variable, x: Any, where: str) -> An
     if not varying:
         return x
     if agg is Agg.NONE:
-        raise ValueError(
+        raise ReplicaDivergenceError(
             f"{where}: variable {var.name!r} is mirrored with aggregation NONE, but the update "
             "differs across replicas (it depends on per-replica data). Create the variable with "
             "aggregation=MEAN/SUM/ONLY_FIRST_REPLICA, or all-reduce the update first "
@@ -87,11 +88,11 @@ def replica_update(ctx: ReplicaContextLike, var: Any, kind: str, value: Any) -> 
             f"{where}: expected a jaxdist.Variable, got {type(var).__name__}. Plain arrays are "
             "updated by returning new values from the replica function."
         )
-    if not ctx._bound:  # the default replica context: plain updates
+    if not ctx.bound_to_axis:  # the default replica context: plain updates
         return getattr(var, kind)(value)
-    value = var._coerce(value, where)
+    value = var.coerce(value, where)
     if var.is_on_read:  # stays on this replica: no communication
-        current = var._stored
+        current = var.stored
     else:
         current = mirror_of(ctx, var, where)
         value = _aggregate(ctx, var, value, where)
@@ -101,4 +102,4 @@ def replica_update(ctx: ReplicaContextLike, var: Any, kind: str, value: Any) -> 
         new = current + value
     else:
         new = current - value
-    return var._with(new.astype(var.dtype))
+    return var.with_stored(new.astype(var.dtype))

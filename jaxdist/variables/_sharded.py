@@ -36,11 +36,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxdist import _dispatch
+from jaxdist import _cpu_gate
 from jaxdist._jax_compat import is_tracer
-from jaxdist.values import Mirrored, PerReplica
+from jaxdist.values.distributed import Mirrored, PerReplica
 from jaxdist.variables import _variable
-from jaxdist.variables._dtypes import initial_array
+from jaxdist.variables._dtype_rules import initial_array
 from jaxdist.variables._ops import ReadsLikeAnArray
 from jaxdist.variables._variable import Variable, as_distributed
 
@@ -168,9 +168,9 @@ class ShardedVariable(ReadsLikeAnArray):
     def numpy(self) -> np.ndarray:
         return np.asarray(self.read_value())
 
-    def _checkpoint_value(self) -> Any:
+    def checkpoint_value(self) -> Any:
         """What a checkpoint stores: the full array (each shard's checkpoint value)."""
-        return np.concatenate([np.asarray(v._checkpoint_value()) for v in self._variables])
+        return np.concatenate([np.asarray(v.checkpoint_value()) for v in self._variables])
 
     def __getitem__(self, key: Any) -> Any:
         """Indexes the full value as a JAX array is indexed, reading only the shards it needs.
@@ -331,10 +331,10 @@ class ShardedVariable(ReadsLikeAnArray):
         """Returns the variable minus ``delta`` (of the full shape, or broadcasting to it)."""
         return self._update("assign_sub", delta)
 
-    def _restore(self, value: Any) -> ShardedVariable:
+    def restored(self, value: Any) -> ShardedVariable:
         """Each shard set to its rows of a checked checkpoint value (private)."""
         bounds = self._bounds()
-        new = [v._restore(value[bounds[i] : bounds[i + 1]]) for i, v in enumerate(self._variables)]
+        new = [v.restored(value[bounds[i] : bounds[i + 1]]) for i, v in enumerate(self._variables)]
         return ShardedVariable._make(new, self._name)
 
 
@@ -427,7 +427,7 @@ def _concat(parts: list[Any]) -> Any:
     """Concatenates along axis 0; eagerly under the CPU gate (one program at a time)."""
     if any(is_tracer(p) for p in parts):
         return jnp.concatenate(parts, axis=0)
-    return _dispatch.gated(lambda: jnp.concatenate(parts, axis=0))
+    return _cpu_gate.gated(lambda: jnp.concatenate(parts, axis=0))
 
 
 def _basic(k: Any) -> bool:
@@ -467,7 +467,7 @@ def _within(picked: range, start: int, stop: int) -> range:
 # Variables created with a partitioner ---------------------------------------------------
 
 
-def _shard_count(partitioner: Any, shape: tuple[int, ...], dtype: Any, where: str) -> int:
+def shard_count(partitioner: Any, shape: tuple[int, ...], dtype: Any, where: str) -> int:
     """The number of shards along axis 0 the partitioner asks for, checked."""
     if not callable(partitioner):
         raise TypeError(
@@ -504,7 +504,7 @@ def partitioned_variable(partitioner: Any, initial_value: Any, **kwargs: Any) ->
     shape = tuple(value.shape)
     if not shape:
         return Variable(value, **kwargs)  # a scalar has no rows to split
-    n = _shard_count(partitioner, shape, value.dtype, where)
+    n = shard_count(partitioner, shape, value.dtype, where)
     if n <= 1:
         return Variable(value, **kwargs)
     offsets = np.cumsum([0, *div_rows(shape[0], n)])
@@ -536,4 +536,4 @@ def unshard(tree: Any) -> Any:
     return jax.tree.map(whole, tree, is_leaf=lambda x: isinstance(x, ShardedVariable))
 
 
-_variable._PARTITIONED[:] = [partitioned_variable]
+_variable.register_partitioned(partitioned_variable)

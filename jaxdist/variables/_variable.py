@@ -53,24 +53,24 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxdist import _dispatch
-from jaxdist._cross_replica import reduce_leaf
+from jaxdist import _cpu_gate
 from jaxdist._dtypes import lossy_cast, numeric
 from jaxdist._jax_compat import is_tracer
 from jaxdist._protocols import StrategyLike
-from jaxdist._reduce_op import ReduceOp
 from jaxdist._scope import current_replica_context, current_state, get_strategy
-from jaxdist.values import DistributedValues, Mirrored, PerReplica
-from jaxdist.variables._dtypes import initial_array, split_sum
-from jaxdist.variables._meta import (
-    _COLOCATE,
+from jaxdist.values.cross_replica import reduce_leaf
+from jaxdist.values.distributed import DistributedValues, Mirrored, PerReplica
+from jaxdist.values.reduce_op import ReduceOp
+from jaxdist.variables._dtype_rules import initial_array, split_sum
+from jaxdist.variables._ops import ReadsLikeAnArray
+from jaxdist.variables.meta import (
+    COLOCATE,
+    Meta,
     VariableAggregation,
     VariableSynchronization,
-    _Meta,
-    _mirrored_sharding,
-    _replica_sharding,
+    mirrored_sharding,
+    replica_sharding,
 )
-from jaxdist.variables._ops import ReadsLikeAnArray
 
 __all__ = ["Variable", "VariableAggregation", "VariableSynchronization"]
 
@@ -81,6 +81,12 @@ Agg = VariableAggregation
 # shard). `_sharded`, the module above this one, fills it in: a low table filled by the high
 # module, so that this module never imports the one that builds on it.
 _PARTITIONED: list[Callable[..., Any]] = []
+
+
+def register_partitioned(factory: Callable[..., Any]) -> None:
+    """Called by `jaxdist.variables._sharded` when it is imported: what
+    ``Variable(..., partitioner=...)`` builds when the partitioner gives several shards."""
+    _PARTITIONED[:] = [factory]
 
 
 class Variable(ReadsLikeAnArray):
@@ -110,17 +116,24 @@ class Variable(ReadsLikeAnArray):
         [2.0, 2.0]
         >>> jd.Variable(0.0).dtype, jd.Variable(3).dtype, float(jd.Variable(2, dtype="float32"))
         (dtype('float32'), dtype('int32'), 2.0)
+
+    The layers above (the replica context, placement, the run path, checkpoints)
+    work through this interface, never through private members: ``stored`` (the
+    one global array behind the variable: replicated, or ``(N, ...)`` per-replica
+    rows when `per_replica_storage`), ``meta`` (its static `Meta`),
+    `from_stored` / `with_stored` (a variable over other storage), `coerce`,
+    `check_fits` and `checkpoint_value`.
     """
 
-    __slots__ = ("_meta", "_stored")
-    _stored: Any
-    _meta: _Meta
+    __slots__ = ("meta", "stored")
+    stored: Any
+    meta: Meta
 
     def __new__(cls, *args: Any, partitioner: Any = None, **kwargs: Any) -> Any:
         # A strategy that keeps variables elsewhere (ParameterServerStrategy: on parameter
-        # server tasks) creates them itself; the result is not a Variable, so __init__ is
-        # skipped.
-        creator = getattr(current_state().strategy, "_create_variable", None)
+        # server tasks) creates them itself through its documented `create_variable` hook;
+        # the result is not a Variable, so __init__ is skipped.
+        creator = getattr(current_state().strategy, "create_variable", None)
         if creator is not None:
             return creator(*args, partitioner=partitioner, **kwargs)
         if partitioner is None:
@@ -169,29 +182,31 @@ class Variable(ReadsLikeAnArray):
             initial_value = initial_value()
         value = initial_array(initial_value, dtype, where)
         trainable = (sync is not Sync.ON_READ) if trainable is None else bool(trainable)
-        meta = _Meta(sync, agg, trainable, name, strategy, state.strategy is not None)
-        colocated = _COLOCATE.get()
+        meta = Meta(sync, agg, trainable, name, strategy, state.strategy is not None)
+        colocated = COLOCATE.get()
         if sync is Sync.ON_READ:
             stored = jax.device_put(
-                jnp.broadcast_to(value, (n, *value.shape)), _replica_sharding(strategy)
+                jnp.broadcast_to(value, (n, *value.shape)), replica_sharding(strategy)
             )
         elif colocated is not None and colocated.synchronization is not Sync.ON_READ:
-            stored = jax.device_put(value, colocated._stored.sharding)
+            stored = jax.device_put(value, colocated.stored.sharding)
         else:
-            stored = jax.device_put(value, _mirrored_sharding(strategy))
-        object.__setattr__(self, "_stored", stored)
-        object.__setattr__(self, "_meta", meta)
+            stored = jax.device_put(value, mirrored_sharding(strategy))
+        object.__setattr__(self, "stored", stored)
+        object.__setattr__(self, "meta", meta)
 
     @classmethod
-    def _make(cls, stored: Any, meta: _Meta) -> Variable:
+    def from_stored(cls, stored: Any, meta: Meta) -> Variable:
+        """A variable over ``stored`` with metadata ``meta`` (no copy, no checks)."""
         v = object.__new__(cls)
-        object.__setattr__(v, "_stored", stored)
-        object.__setattr__(v, "_meta", meta)
+        object.__setattr__(v, "stored", stored)
+        object.__setattr__(v, "meta", meta)
         return v
 
-    def _with(self, stored: Any, **meta_changes: Any) -> Variable:
-        meta = dataclasses.replace(self._meta, **meta_changes) if meta_changes else self._meta
-        return Variable._make(stored, meta)
+    def with_stored(self, stored: Any, **meta_changes: Any) -> Variable:
+        """This variable over other storage (and metadata changed by ``meta_changes``)."""
+        meta = dataclasses.replace(self.meta, **meta_changes) if meta_changes else self.meta
+        return Variable.from_stored(stored, meta)
 
     def __setattr__(self, name: str, value: Any) -> None:
         raise dataclasses.FrozenInstanceError(
@@ -202,46 +217,47 @@ class Variable(ReadsLikeAnArray):
 
     @property
     def synchronization(self) -> VariableSynchronization:
-        return self._meta.synchronization
+        return self.meta.synchronization
 
     @property
     def aggregation(self) -> VariableAggregation:
-        return self._meta.aggregation
+        return self.meta.aggregation
 
     @property
     def trainable(self) -> bool:
-        return self._meta.trainable
+        return self.meta.trainable
 
     @property
     def name(self) -> str | None:
-        return self._meta.name
+        return self.meta.name
 
     @property
     def strategy(self) -> StrategyLike:
         """The strategy that placed this variable."""
-        return self._meta.strategy
+        return self.meta.strategy
 
     @property
     def is_on_read(self) -> bool:
-        return self._meta.synchronization is Sync.ON_READ
+        return self.meta.synchronization is Sync.ON_READ
 
     @property
-    def _per_replica_storage(self) -> bool:
-        return self.is_on_read and not self._meta.local
+    def per_replica_storage(self) -> bool:
+        """True when ``stored`` holds one row per replica (an ``ON_READ`` variable)."""
+        return self.is_on_read and not self.meta.local
 
     @property
     def shape(self) -> tuple[int, ...]:
-        shape = tuple(self._stored.shape)
-        return shape[1:] if self._per_replica_storage else shape
+        shape = tuple(self.stored.shape)
+        return shape[1:] if self.per_replica_storage else shape
 
     @property
     def dtype(self) -> Any:
-        return self._stored.dtype
+        return self.stored.dtype
 
     @property
     def device_values(self) -> Any:
         """The stored array: for ``ON_READ`` outside run, one row per replica."""
-        return self._stored
+        return self.stored
 
     def __repr__(self) -> str:
         return (
@@ -251,7 +267,7 @@ class Variable(ReadsLikeAnArray):
 
     def _check_strategy(self, where: str) -> None:
         """Refuses use while another strategy than the one that created it is in effect."""
-        meta = self._meta
+        meta = self.meta
         if meta.local or not meta.created_in_scope:
             return
         active = current_state().strategy
@@ -268,16 +284,16 @@ class Variable(ReadsLikeAnArray):
     # Copies and pickling --------------------------------------------------------------
 
     def __copy__(self) -> Variable:
-        return Variable._make(self._stored, self._meta)  # immutable: sharing storage is safe
+        return Variable.from_stored(self.stored, self.meta)  # immutable: sharing storage is safe
 
     def __deepcopy__(self, memo: dict[int, Any]) -> Variable:
-        stored = self._stored
+        stored = self.stored
         if isinstance(stored, jax.Array) and not is_tracer(stored):
             stored = jax.device_put(stored, stored.sharding, may_alias=False)
-        return Variable._make(stored, self._meta)
+        return Variable.from_stored(stored, self.meta)
 
     def __reduce__(self) -> tuple[Any, ...]:
-        stored = self._stored
+        stored = self.stored
         if is_tracer(stored):
             raise TypeError(
                 f"pickle: variable {self.name!r} holds a traced value (inside jax.jit or "
@@ -289,10 +305,10 @@ class Variable(ReadsLikeAnArray):
                 "process holds all of it. Save it with jd.checkpoint.save (every process "
                 "writes its part) or jd.checkpoint.to_saveable instead."
             )
-        meta = self._meta
-        copies = np.asarray(stored) if self._per_replica_storage else None
+        meta = self.meta
+        copies = np.asarray(stored) if self.per_replica_storage else None
         fields = (meta.synchronization.name, meta.aggregation.name, meta.trainable, meta.name)
-        return (_unpickle, (np.asarray(self._checkpoint_value()), copies, *fields))
+        return (_unpickle, (np.asarray(self.checkpoint_value()), copies, *fields))
 
     # Reading ------------------------------------------------------------------------
 
@@ -312,29 +328,29 @@ class Variable(ReadsLikeAnArray):
         return self._aggregate("Variable.read_value")
 
     def _aggregate(self, where: str) -> Any:
-        if not self._per_replica_storage:
-            return self._stored
+        if not self.per_replica_storage:
+            return self.stored
         agg = self.aggregation
-        if agg is Agg.ONLY_FIRST_REPLICA or self._stored.shape[0] == 1:
-            return self._stored[0]  # with one replica, its one copy is the value (as TF)
+        if agg is Agg.ONLY_FIRST_REPLICA or self.stored.shape[0] == 1:
+            return self.stored[0]  # with one replica, its one copy is the value (as TF)
         if agg is Agg.NONE:
             raise ValueError(
                 f"{where}: {self!r} is ON_READ with aggregation NONE, so its "
-                f"{self._stored.shape[0]} per-replica copies have no single value in "
+                f"{self.stored.shape[0]} per-replica copies have no single value in "
                 "cross-replica context. Give it an aggregation (SUM, MEAN, ONLY_FIRST_REPLICA) "
                 "or read its copies with strategy.experimental_local_results(v.device_values)."
             )
-        strategy = self._meta.strategy
+        strategy = self.meta.strategy
         op = ReduceOp.SUM if agg is Agg.SUM else ReduceOp.MEAN
-        out = strategy._gated(
-            lambda: reduce_leaf(where, op, PerReplica(self._stored), None, self._stored.shape[0])
+        out = strategy.gated(
+            lambda: reduce_leaf(where, op, PerReplica(self.stored), None, self.stored.shape[0])
         )
         return out if out.dtype == self.dtype else out.astype(self.dtype)
 
-    def _checkpoint_value(self) -> Any:
+    def checkpoint_value(self) -> Any:
         """What a checkpoint stores: the aggregate, or replica 0's copy without one (as TF)."""
-        if self._per_replica_storage and self.aggregation is Agg.NONE:
-            return self._stored[0]
+        if self.per_replica_storage and self.aggregation is Agg.NONE:
+            return self.stored[0]
         return self._aggregate("jaxdist.checkpoint.to_saveable")
 
     def value(self) -> Any:
@@ -348,9 +364,9 @@ class Variable(ReadsLikeAnArray):
 
     def _in_replica_fn(self) -> bool:
         state = current_state()
-        return self._meta.local or (state.replica is not None and not state.merging)
+        return self.meta.local or (state.replica is not None and not state.merging)
 
-    def _coerce(self, value: Any, where: str) -> Any:
+    def coerce(self, value: Any, where: str) -> Any:
         """``value`` as an array of this variable's shape and dtype (broadcast if needed)."""
         self._check_strategy(where)
         if isinstance(value, Variable):
@@ -371,10 +387,11 @@ class Variable(ReadsLikeAnArray):
                 f"{np.shape(value)}) to variable {self.name!r} of dtype {self.dtype}: "
                 "variables hold numbers or bools. Encode the values as numbers first."
             )
-        self._check_fits(jnp.result_type(value), np.shape(value), where)
+        self.check_fits(jnp.result_type(value), np.shape(value), where)
         return jnp.broadcast_to(jnp.asarray(value, dtype=self.dtype), self.shape)
 
-    def _check_fits(self, dtype: Any, shape: tuple[int, ...], where: str) -> None:
+    def check_fits(self, dtype: Any, shape: tuple[int, ...], where: str) -> None:
+        """Raises if a value of ``dtype`` and ``shape`` cannot be assigned without loss."""
         reason = lossy_cast(dtype, self.dtype)
         if reason is not None:
             raise TypeError(
@@ -395,7 +412,7 @@ class Variable(ReadsLikeAnArray):
 
     def _rows(self, value: PerReplica, where: str) -> Any:
         """A cross-replica `PerReplica` value as ``(N, *shape)`` rows of this variable's dtype."""
-        strategy = self._meta.strategy
+        strategy = self.meta.strategy
         n = strategy.num_replicas_in_sync
         rows = value.array
         count = rows.shape[0] if np.ndim(rows) else 0
@@ -413,7 +430,7 @@ class Variable(ReadsLikeAnArray):
                 "for example strategy.reduce('sum', batch, axis=0)."
             )
         row_shape = tuple(rows.shape[1:])
-        self._check_fits(rows.dtype, row_shape, where)
+        self.check_fits(rows.dtype, row_shape, where)
         pad = (1,) * (len(self.shape) - len(row_shape))
         rows = jnp.asarray(rows, dtype=self.dtype).reshape((n, *pad, *row_shape))
         return jnp.broadcast_to(rows, (n, *self.shape))
@@ -445,16 +462,16 @@ class Variable(ReadsLikeAnArray):
 
     def _storage_for(self, value: Any) -> Any:
         """The stored array for a new value (``ON_READ`` ``SUM``: split across the copies)."""
-        if not self._per_replica_storage:
+        if not self.per_replica_storage:
             return value
-        n = self._stored.shape[0]
+        n = self.stored.shape[0]
         if self.aggregation is Agg.SUM:
             return split_sum(value, n)
         return jnp.broadcast_to(value, (n, *value.shape))
 
-    def _place(self, value: Any) -> Any:
+    def placed(self, value: Any) -> Any:
         """``value`` (the whole storage) placed like the stored array."""
-        stored = self._stored
+        stored = self.stored
         if not is_tracer(stored):
             if is_tracer(value):
                 return jax.lax.with_sharding_constraint(value, stored.sharding)
@@ -462,23 +479,23 @@ class Variable(ReadsLikeAnArray):
         # Inside the caller's jax.jit: keep the strategy's placement, which jit would
         # otherwise choose from the other operands (one device, for a value computed from
         # an uncommitted array).
-        strategy = self._meta.strategy
+        strategy = self.meta.strategy
         if strategy.num_replicas_in_sync == 1 or current_state().merging:
             return value  # (in a merge_fn, inside the replica function's shard_map)
-        if self._per_replica_storage:
-            return jax.lax.with_sharding_constraint(value, _replica_sharding(strategy))
-        return jax.lax.with_sharding_constraint(value, _mirrored_sharding(strategy))
+        if self.per_replica_storage:
+            return jax.lax.with_sharding_constraint(value, replica_sharding(strategy))
+        return jax.lax.with_sharding_constraint(value, mirrored_sharding(strategy))
 
     def _updated(self, kind: str, value: Any, where: str) -> Any:
         """The new storage after a cross-replica ``assign`` / ``assign_add`` / ``assign_sub``."""
-        stored = self._stored
-        if self._per_replica_storage and isinstance(value, PerReplica):
+        stored = self.stored
+        if self.per_replica_storage and isinstance(value, PerReplica):
             delta = self._rows(value, where)  # copy r takes (or adds) row r
         elif isinstance(value, PerReplica):
             delta = self._aggregate_rows(value, where)
         elif kind == "assign":
-            return self._storage_for(self._coerce(value, where))
-        elif self._per_replica_storage and self.aggregation is Agg.SUM:
+            return self._storage_for(self.coerce(value, where))
+        elif self.per_replica_storage and self.aggregation is Agg.SUM:
             raise ValueError(
                 f"{where}: {self!r} is ON_READ with aggregation SUM; adding to it in "
                 "cross-replica context would add to every copy, changing the sum N times. "
@@ -486,7 +503,7 @@ class Variable(ReadsLikeAnArray):
                 "or update it inside strategy.run."
             )
         else:
-            delta = self._coerce(value, where)
+            delta = self.coerce(value, where)
         if kind == "assign":
             return jnp.broadcast_to(delta, stored.shape)
         new = stored + delta if kind == "assign_add" else stored - delta
@@ -496,12 +513,14 @@ class Variable(ReadsLikeAnArray):
         where = f"Variable.{kind}"
         self._check_strategy(where)
         # Eager work on multi-device arrays: under the CPU gate, one program at a time.
-        return _dispatch.gated(lambda: self._with(self._place(self._updated(kind, value, where))))
+        return _cpu_gate.gated(
+            lambda: self.with_stored(self.placed(self._updated(kind, value, where)))
+        )
 
-    def _restore(self, value: Any) -> Variable:
+    def restored(self, value: Any) -> Variable:
         """Cross-replica ``assign`` of a checked checkpoint value, in any scope (private)."""
         value = jnp.asarray(value, dtype=self.dtype)
-        return _dispatch.gated(lambda: self._with(self._place(self._storage_for(value))))
+        return _cpu_gate.gated(lambda: self.with_stored(self.placed(self._storage_for(value))))
 
     def assign(self, value: Any) -> Variable:
         """Returns the variable set to ``value``.
@@ -531,9 +550,9 @@ class Variable(ReadsLikeAnArray):
 
 jax.tree_util.register_pytree_with_keys(
     Variable,
-    lambda v: (((jax.tree_util.GetAttrKey("value"), v._stored),), v._meta),
-    lambda meta, children: Variable._make(next(iter(children)), meta),
-    lambda v: ((v._stored,), v._meta),
+    lambda v: (((jax.tree_util.GetAttrKey("value"), v.stored),), v.meta),
+    lambda meta, children: Variable.from_stored(next(iter(children)), meta),
+    lambda v: ((v.stored,), v.meta),
 )
 
 
@@ -555,8 +574,8 @@ def _unpickle(
         dtype=value.dtype,
     )
     if copies is not None and copies.shape[0] == v.strategy.num_replicas_in_sync:
-        return v._with(v._place(jnp.asarray(copies, dtype=v.dtype)))
-    return v._restore(value) if v._per_replica_storage else v
+        return v.with_stored(v.placed(jnp.asarray(copies, dtype=v.dtype)))
+    return v.restored(value) if v.per_replica_storage else v
 
 
 def _replica_ctx(method: str) -> Any:
@@ -576,5 +595,5 @@ def as_distributed(x: Any) -> Any:
     """A variable seen as a distributed value: ``ON_READ`` copies are `PerReplica`,
     a mirrored variable is `Mirrored`; anything else is returned as is."""
     if isinstance(x, Variable):
-        return PerReplica(x._stored) if x._per_replica_storage else Mirrored(x._stored)
+        return PerReplica(x.stored) if x.per_replica_storage else Mirrored(x.stored)
     return x

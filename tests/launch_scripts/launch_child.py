@@ -1,4 +1,4 @@
-"""A process for tests/test_launch.py to start through jaxdist's launcher (no JAX).
+"""A process for tests/launch/test_launch.py to start through jaxdist's launcher (no JAX).
 
 It first prints one line ``READY {json}`` with its process id, pid, process group,
 the launcher's variables and its own arguments, after setting up what the flags

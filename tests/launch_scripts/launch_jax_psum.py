@@ -1,4 +1,5 @@
-"""One `psum` over every process's devices, started by jaxdist's launcher (tests/test_launch.py).
+"""One `psum` over every process's devices, started by jaxdist's launcher
+(tests/launch/test_launch.py).
 
 Starts `jax.distributed` directly from the launcher's variables, checks the device
 and process counts, sums ``process_id * 10 + local index + 1`` over all devices with

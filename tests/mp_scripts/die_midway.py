@@ -1,4 +1,5 @@
-"""Multi-process training in which one process fails at step 20 (tests/test_multi_process.py).
+"""Multi-process training in which one process fails at step 20
+(tests/strategies/test_multi_worker.py).
 
 Usage: die_midway.py VICTIM HOW [TIMEOUT_SECONDS]
     VICTIM: the process that fails (0 hosts JAX's coordination service).

@@ -1,5 +1,5 @@
-"""Training with `jd.fit` and a `PreemptionCheckpointHandler` that tests/test_fit_preemption.py
-preempts with SIGTERM, run through jaxdist's launcher.
+"""Training with `jd.fit` and a `PreemptionCheckpointHandler` that
+tests/training/fit/test_preemption_hook.py preempts with SIGTERM, run through jaxdist's launcher.
 
 An NNX model and its optimizer (updated in place) and a functional `jd.TrainState`
 (returned), trained on each process's own shuffled data (``distribute_datasets_from_function``)
@@ -15,27 +15,21 @@ the history) and prints ``DONE <global step>``.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import time
 
+from _preemption_job import arguments, make_state, update  # beside this script
+
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("ckpt_dir")
-    parser.add_argument("out_dir")
-    parser.add_argument("--epochs", type=int, default=6)
-    parser.add_argument("--sleep", type=float, default=0.0)
-    args = parser.parse_args()
+    args = arguments(epochs=6)
 
     import jax  # noqa: I001 - the strategy must start jax.distributed first
     import jaxdist as jd
 
     strategy = jd.MultiWorkerMirroredStrategy()
-    import jax.numpy as jnp
     import numpy as np
-    import optax
     from flax import nnx
 
     def dataset_fn(ctx):  # type: ignore[no-untyped-def]
@@ -44,28 +38,12 @@ def main() -> None:
         y = (x @ np.array([1.0, -2.0, 0.5, 3.0], np.float32) + 0.1).astype(np.float32)
         return jd.data.from_arrays(x, y, batch_size=2, shuffle=True, seed=ctx.input_pipeline_id)
 
-    with strategy.scope():
-        model = nnx.Linear(4, 1, rngs=nnx.Rngs(0))
-        optimizer = nnx.Optimizer(model, optax.adam(0.05), wrt=nnx.Param)
-        state = jd.TrainState.create(
-            apply_fn=None, params={"w": jnp.zeros(4), "b": jnp.zeros(())},
-            tx=optax.sgd(0.05, momentum=0.9),
-        )  # fmt: skip
+    model, optimizer, state = make_state(strategy)
 
     @jd.train_step(strategy)
     def train(ctx, model, optimizer, state, batch):  # type: ignore[no-untyped-def]
-        bx, by = batch
-
-        def nnx_loss(model):  # type: ignore[no-untyped-def]
-            return jd.compute_average_loss((model(bx)[:, 0] - by) ** 2)
-
-        def fn_loss(params):  # type: ignore[no-untyped-def]
-            return jd.compute_average_loss((bx @ params["w"] + params["b"] - by) ** 2)
-
-        loss, grads = nnx.value_and_grad(nnx_loss)(model)
-        optimizer.update(model, ctx.all_reduce("sum", grads))
-        grads = ctx.all_reduce("sum", jax.grad(fn_loss)(state.params))
-        return state.apply_gradients(grads=grads), ctx.all_reduce("sum", loss)
+        state, loss = update(ctx, model, optimizer, state, *batch)
+        return state, ctx.all_reduce("sum", loss)
 
     class Tell(jd.training.Callback):
         def on_step_end(self, step, logs):  # type: ignore[no-untyped-def]

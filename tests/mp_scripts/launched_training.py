@@ -1,4 +1,5 @@
-"""A MultiWorkerMirroredStrategy training loop started by jaxdist's launcher (tests/test_launch.py).
+"""A MultiWorkerMirroredStrategy training loop started by jaxdist's launcher
+(tests/launch/test_launch.py).
 
 Prints ``STARTED <pid>`` once the strategy is up, ``STEP <i>`` every 5 steps,
 and at the end ``DONE <restart count> <w>`` where ``w`` is the trained weight.

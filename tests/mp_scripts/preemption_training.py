@@ -1,4 +1,5 @@
-"""Training that tests/test_preemption.py preempts with SIGTERM, run through jaxdist's launcher.
+"""Training that tests/experimental/preemption/test_preemption.py preempts with SIGTERM, run
+through jaxdist's launcher.
 
 TF's harness (failure_handler_test.py): EPOCHS epochs of STEPS steps, the loop
 driven by ``handler.total_run_calls``, so that a restarted job resumes at the
@@ -17,27 +18,20 @@ prints ``DONE <total_run_calls>``.
 
 from __future__ import annotations
 
-import argparse
 import os
 import time
 
+from _preemption_job import arguments, make_state, update  # beside this script
+
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("ckpt_dir")
-    parser.add_argument("out_dir")
-    parser.add_argument("--epochs", type=int, default=8)
-    parser.add_argument("--steps", type=int, default=15)
-    parser.add_argument("--sleep", type=float, default=0.0)
-    args = parser.parse_args()
+    args = arguments(epochs=8, steps=15)
 
     import jax  # noqa: I001 - the strategy must start jax.distributed first
     import jaxdist as jd
 
     strategy = jd.MultiWorkerMirroredStrategy()
-    import jax.numpy as jnp
     import numpy as np
-    import optax
     from flax import nnx
 
     batch, steps, epochs = 16, args.steps, args.epochs
@@ -48,29 +42,15 @@ def main() -> None:
         jd.data.from_arrays(x, y, batch_size=batch, shuffle=True, seed=1)
     )
 
+    model, optimizer, state = make_state(strategy)
     with strategy.scope():
-        model = nnx.Linear(4, 1, rngs=nnx.Rngs(0))
-        optimizer = nnx.Optimizer(model, optax.adam(0.05), wrt=nnx.Param)
-        state = jd.TrainState.create(
-            apply_fn=None, params={"w": jnp.zeros(4), "b": jnp.zeros(())},
-            tx=optax.sgd(0.05, momentum=0.9),
-        )  # fmt: skip
         seen = jd.Variable(0, synchronization="on_read", aggregation="sum")
 
     @jd.train_step(strategy)
     def train(ctx, model, optimizer, state, seen, batch):  # type: ignore[no-untyped-def]
         bx, by = batch
-
-        def nnx_loss(model):  # type: ignore[no-untyped-def]
-            return jd.compute_average_loss((model(bx)[:, 0] - by) ** 2)
-
-        def fn_loss(params):  # type: ignore[no-untyped-def]
-            return jd.compute_average_loss((bx @ params["w"] + params["b"] - by) ** 2)
-
-        loss, grads = nnx.value_and_grad(nnx_loss)(model)
-        optimizer.update(model, ctx.all_reduce("sum", grads))
-        grads = ctx.all_reduce("sum", jax.grad(fn_loss)(state.params))
-        return state.apply_gradients(grads=grads), ctx.assign_add(seen, bx.shape[0]), loss
+        state, loss = update(ctx, model, optimizer, state, bx, by)
+        return state, ctx.assign_add(seen, bx.shape[0]), loss
 
     iterator = iter(dataset)
     ckpt = jd.checkpoint.Checkpoint(

@@ -1,4 +1,4 @@
-"""A training loop in which one process stalls inside step 20 (tests/test_watchdog.py).
+"""A training loop in which one process stalls inside step 20 (tests/strategies/test_watchdog.py).
 
 Usage: watchdog_training.py VICTIM STALL_SECONDS STEPS [TIMEOUT_SECONDS|- [EXIT_CODE]]
     VICTIM stalls (sleeps) STALL_SECONDS before its step 20, as a hung data loader or

@@ -1,4 +1,4 @@
-"""One process of a multi-process test workload (run by tests/test_multi_process.py).
+"""One process of a multi-process test workload (run by tests/strategies/test_multi_worker.py).
 
 Started with the environment jaxdist's launcher sets (``JAXDIST_COORDINATOR_ADDRESS``,
 ``JAXDIST_NUM_PROCESSES``, ``JAXDIST_PROCESS_ID``, ``JAX_NUM_CPU_DEVICES``), or

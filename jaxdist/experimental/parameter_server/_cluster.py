@@ -1,4 +1,4 @@
-"""The cluster of a parameter-server job (private): TF's checks and task names.
+"""The cluster of a parameter-server job: TF's checks and task names.
 
 A cluster has ``worker`` and ``ps`` jobs, at most one ``chief`` (the coordinator, this
 process) and an optional ``evaluator``; addresses are labels (Ray places the tasks). The

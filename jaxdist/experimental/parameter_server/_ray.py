@@ -1,4 +1,4 @@
-"""Ray for the parameter-server strategy (private): the import, a loopback runtime, and the
+"""Ray for the parameter-server strategy: the import, a loopback runtime, and the
 environment every jaxdist actor starts with.
 
 Ray is the optional extra ``jaxdist[ps]``. jaxdist uses the caller's Ray runtime when one is

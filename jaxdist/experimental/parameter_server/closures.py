@@ -1,4 +1,4 @@
-"""The closure queue of a `ClusterCoordinator` (private): TF's error and cancellation rules.
+"""The closure queue of a `ClusterCoordinator`: TF's error and cancellation rules.
 
 Closures wait in a FIFO queue; one dispatcher thread per worker takes them. When a closure
 fails, its error is kept and every closure still queued is cancelled (its `RemoteValue`
@@ -68,7 +68,7 @@ class ClosureQueue:
             self._inflight -= 1
             self.restarted += 1
             if self._fatal is not None:
-                closure.remote_value._set(error=self._fatal)
+                closure.remote_value.set_outcome(error=self._fatal)
             else:
                 self._queue.appendleft(closure)
             self._cond.notify_all()
@@ -83,7 +83,7 @@ class ClosureQueue:
         with self._cond:
             self._inflight -= 1
             self.completed += 1
-            closure.remote_value._set(result, error)
+            closure.remote_value.set_outcome(result, error)
             if error is not None:
                 if fatal and self._fatal is None:
                     self._fatal = error
@@ -103,7 +103,7 @@ class ClosureQueue:
                     f"{type(cause).__name__}: {cause}"
                 )
             )
-            c.remote_value._set(error=error)
+            c.remote_value.set_outcome(error=error)
 
     def _raise_error(self) -> None:
         if self._fatal is not None:

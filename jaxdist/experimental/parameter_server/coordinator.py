@@ -105,12 +105,12 @@ class ClusterCoordinator:
                 f"ClusterCoordinator(strategy=...): expected a "
                 f"jaxdist.experimental.ParameterServerStrategy, got {type(strategy).__name__}."
             )
-        holder = strategy._coordinator
+        holder = strategy.coordinator_holder
         with holder.lock:
             if holder.coordinator is None:
                 self = super().__new__(cls)
                 self._start(strategy)
-                holder.coordinator = self
+                holder.coordinator, holder.stop = self, self._shutdown
             return holder.coordinator
 
     def __init__(self, strategy: Any) -> None:  # everything is done once, in __new__
@@ -295,7 +295,8 @@ class ClusterCoordinator:
             )
 
     def _shutdown(self) -> None:
-        """Stops the dispatcher threads (private; tests and benchmarks)."""
+        """Stops the dispatcher threads (the strategy's `CoordinatorHolder.stop`, called by its
+        ``_shutdown`` in tests and benchmarks)."""
         self._queue.close()
         for t in self._threads:
             t.join(timeout=30)

@@ -1,4 +1,4 @@
-"""The parameter-server task: a Ray actor holding variables as NumPy arrays (private).
+"""The parameter-server task: a Ray actor holding variables as NumPy arrays.
 
 Each method call runs alone (a Ray actor runs one call at a time), so the deltas of
 one closure are applied atomically, and reads see whole updates.

@@ -32,12 +32,17 @@ from jaxdist.experimental.parameter_server.variables import (
     unavailable,
 )
 from jaxdist.experimental.parameter_server.worker import Worker
-from jaxdist.options import RunOptions
-from jaxdist.variables._dtypes import initial_array
-from jaxdist.variables._meta import VariableAggregation, VariableSynchronization
-from jaxdist.variables._sharded import _shard_count, div_rows
+from jaxdist.run_options import RunOptions
+from jaxdist.variables._dtype_rules import initial_array
+from jaxdist.variables._sharded import div_rows, shard_count
+from jaxdist.variables.meta import VariableAggregation, VariableSynchronization
 
-__all__ = ["ParameterServerStrategy", "ParameterServerStrategyExtended", "ScheduledFunction"]
+__all__ = [
+    "CoordinatorHolder",
+    "ParameterServerStrategy",
+    "ParameterServerStrategyExtended",
+    "ScheduledFunction",
+]
 
 Sync = VariableSynchronization
 Agg = VariableAggregation
@@ -64,8 +69,8 @@ class ScheduledFunction:
     def __reduce__(self) -> tuple[Any, ...]:
         return (ScheduledFunction, (self.fn, self.options, None))
 
-    def _compile(self, local_strategy: Any) -> Any:
-        """The function compiled for ``local_strategy`` (on the worker)."""
+    def compile_for(self, local_strategy: Any) -> Any:
+        """The function compiled for ``local_strategy`` (called by the worker that runs it)."""
         return local_strategy.function(self.fn, options=self.options)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -77,9 +82,13 @@ class ScheduledFunction:
 
 
 @dataclasses.dataclass
-class _CoordinatorHolder:
+class CoordinatorHolder:
+    """A strategy's one `ClusterCoordinator`, set by the first ``ClusterCoordinator(strategy)``
+    under ``lock``, with ``stop``, which stops its dispatcher threads."""
+
     lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
     coordinator: Any = None
+    stop: Callable[[], None] | None = None
 
 
 _START_TIMEOUT = 180.0  # seconds for the actors to answer their first ping
@@ -141,7 +150,7 @@ class ParameterServerStrategy:
         "_partitioner",
         "_resolver",
     )
-    _coordinator: _CoordinatorHolder
+    _coordinator: CoordinatorHolder
     _extended: ParameterServerStrategyExtended
     _ids: Iterator[int]
     _names: dict[str, int]
@@ -177,7 +186,7 @@ class ParameterServerStrategy:
         s(self, "_resolver", cluster_resolver)
         s(self, "_partitioner", variable_partitioner)
         s(self, "_extended", ParameterServerStrategyExtended(workers, ps))
-        s(self, "_coordinator", _CoordinatorHolder())
+        s(self, "_coordinator", CoordinatorHolder())
         s(self, "_ids", itertools.count())
         s(self, "_next_ps", itertools.count())
         s(self, "_names", {})
@@ -217,6 +226,12 @@ class ParameterServerStrategy:
         return self._partitioner
 
     @property
+    def coordinator_holder(self) -> CoordinatorHolder:
+        """Where `ClusterCoordinator` keeps this strategy's one coordinator (jaxdist's own;
+        make the coordinator with ``ClusterCoordinator(strategy)``)."""
+        return self._coordinator
+
+    @property
     def num_replicas_in_sync(self) -> int:
         """One: each closure runs on one worker's device (TF's CPU-worker count)."""
         return 1
@@ -248,7 +263,7 @@ class ParameterServerStrategy:
 
     # Variables ---------------------------------------------------------------------------
 
-    def _create_variable(
+    def create_variable(
         self,
         initial_value: Any,
         *,
@@ -280,7 +295,7 @@ class ParameterServerStrategy:
         n = (
             1
             if partitioner is None or not shape
-            else _shard_count(partitioner, shape, value.dtype, where)
+            else shard_count(partitioner, shape, value.dtype, where)
         )
         if n <= 1:
             return self._place(value, sync, agg, trainable, name)
@@ -328,8 +343,8 @@ class ParameterServerStrategy:
     def _shutdown(self) -> None:
         """Stops the coordinator's threads and kills this strategy's actors (private;
         tests and benchmarks that make many strategies in one Ray runtime)."""
-        coordinator = self._coordinator.coordinator
-        if coordinator is not None:
-            coordinator._shutdown()
+        stop = self._coordinator.stop
+        if stop is not None:
+            stop()
         for actor in (*self._extended.worker_actors, *self._extended.ps_actors):
             ray.kill(actor)

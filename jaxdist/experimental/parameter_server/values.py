@@ -40,7 +40,9 @@ class RemoteValue:
         self._result: Any = None
         self._error: BaseException | None = None
 
-    def _set(self, result: Any = None, error: BaseException | None = None) -> None:
+    def set_outcome(self, result: Any = None, error: BaseException | None = None) -> None:
+        """Fills in the closure's ``result``, or its ``error`` (which `fetch` raises); called
+        once by the `ClusterCoordinator` when the closure finishes or is cancelled."""
         self._result, self._error = result, error
         self._done.set()
 
@@ -105,6 +107,16 @@ class PerWorkerIterator:
         self._dataset = dataset
         self._id = next(_ids)
 
+    @property
+    def dataset(self) -> PerWorkerDataset:
+        """The per-worker dataset this iterator iterates."""
+        return self._dataset
+
+    @property
+    def iterator_id(self) -> int:
+        """The id a worker keeps its own iterator of this one under (unique in the process)."""
+        return self._id
+
     def __iter__(self) -> PerWorkerIterator:
         return self
 
@@ -128,6 +140,11 @@ class PerWorkerDataset:
     def __init__(self, fn_ref: Any, num_workers: int) -> None:
         self._fn_ref = fn_ref  # an object-store reference to the pickled dataset_fn
         self._num_workers = num_workers
+
+    @property
+    def fn_ref(self) -> Any:
+        """The Ray object-store reference to the pickled ``dataset_fn`` (workers load it)."""
+        return self._fn_ref
 
     def __iter__(self) -> PerWorkerIterator:
         return PerWorkerIterator(self)

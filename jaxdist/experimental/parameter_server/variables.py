@@ -19,8 +19,8 @@ import numpy as np
 
 from jaxdist.experimental.parameter_server._cluster import task_device
 from jaxdist.experimental.parameter_server._ray import RayActorError, ray
-from jaxdist.variables._meta import VariableAggregation, VariableSynchronization
 from jaxdist.variables._ops import ReadsLikeAnArray
+from jaxdist.variables.meta import VariableAggregation, VariableSynchronization
 
 __all__ = [
     "ParameterServerUnavailableError",
@@ -107,6 +107,21 @@ class ParameterServerVariable(ReadsLikeAnArray):
     def device(self) -> str:
         """The parameter server holding it, e.g. ``/job:ps/replica:0/task:1``."""
         return task_device("ps", self._task)
+
+    @property
+    def var_id(self) -> int:
+        """Its id on its parameter server (workers read and update it by this id)."""
+        return self._id
+
+    @property
+    def actor(self) -> Any:
+        """The Ray actor handle of the parameter server holding it."""
+        return self._actor
+
+    @property
+    def task_index(self) -> int:
+        """The index of the ``ps`` task holding it."""
+        return self._task
 
     def __repr__(self) -> str:
         return (
@@ -206,12 +221,12 @@ class ShardedParameterServerVariable(ReadsLikeAnArray):
         """The whole value: the shards read (one call per parameter server) and joined."""
         by_actor: dict[int, list[int]] = {}
         for i, v in enumerate(self._variables):
-            by_actor.setdefault(v._task, []).append(i)
+            by_actor.setdefault(v.task_index, []).append(i)
         parts: list[Any] = [None] * len(self._variables)
         for task, idx in by_actor.items():
             shard = self._variables[idx[0]]
             try:
-                got = ray.get(shard._actor.read.remote([self._variables[i]._id for i in idx]))
+                got = ray.get(shard.actor.read.remote([self._variables[i].var_id for i in idx]))
             except RayActorError as e:
                 raise unavailable(task, e) from e
             for i, x in zip(idx, got, strict=True):

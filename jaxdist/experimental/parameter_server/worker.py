@@ -1,4 +1,4 @@
-"""The worker task: a Ray actor that runs closures (private).
+"""The worker task: a Ray actor that runs closures.
 
 A closure arrives as a reference to its pickled function plus its arguments, in which
 parameter-server variable handles, per-worker iterators and per-worker values are still
@@ -64,7 +64,7 @@ class Worker:
         fn = self._functions.get(fn_key)
         if fn is None:
             fn = cloudpickle.loads(ray.get(fn_ref[0]))
-            fn = fn._compile(self._strategy) if hasattr(fn, "_compile") else fn
+            fn = fn.compile_for(self._strategy) if hasattr(fn, "compile_for") else fn
             self._functions[fn_key] = fn
         leaves, treedef = jax.tree.flatten((args, kwargs), is_leaf=_is_marker)
         handles = [x for x in leaves if isinstance(x, _HANDLES)]
@@ -92,7 +92,7 @@ class Worker:
         by_task: dict[int, tuple[Any, list[int]]] = {}
         for h in handles:
             for v in h.variables if isinstance(h, ShardedParameterServerVariable) else (h,):
-                by_task.setdefault(v._task, (v._actor, []))[1].append(v._id)
+                by_task.setdefault(v.task_index, (v.actor, []))[1].append(v.var_id)
         refs = {t: actor.read.remote(ids) for t, (actor, ids) in by_task.items()}
         values: dict[int, np.ndarray] = {}
         for task, ref in refs.items():
@@ -105,7 +105,7 @@ class Worker:
 
     def _local(self, h: Any, values: dict[int, np.ndarray], old: dict[str, Any]) -> Any:
         def one(v: ParameterServerVariable) -> Variable:
-            value = values[v._id]
+            value = values[v.var_id]
             old[v.name] = (v, value)
             return Variable(
                 value,
@@ -121,15 +121,19 @@ class Worker:
         return one(h)
 
     def _next(self, marker: PerWorkerIterator) -> Any:
-        it = self._iterators.get(marker._id)
+        it = self._iterators.get(marker.iterator_id)
         if it is None:
-            dataset_fn = cloudpickle.loads(ray.get(marker._dataset._fn_ref))
-            it = self._iterators[marker._id] = iter(dataset_fn())
+            dataset_fn = cloudpickle.loads(ray.get(marker.dataset.fn_ref))
+            it = self._iterators[marker.iterator_id] = iter(dataset_fn())
         return next(it)
 
     def _finish(self, out: Any, old: dict[str, tuple[ParameterServerVariable, np.ndarray]]) -> Any:
         """Sends the changes of the returned variables to their servers; the host result."""
         updates: dict[int, tuple[Any, dict[int, tuple[str, Any]]]] = {}
+
+        def updates_of(handle: ParameterServerVariable) -> dict[int, tuple[str, Any]]:
+            """The updates for the parameter server holding ``handle``, by variable id."""
+            return updates.setdefault(handle.task_index, (handle.actor, {}))[1]
 
         def back(x: Any) -> Any:
             if isinstance(x, ShardedVariable):
@@ -144,17 +148,11 @@ class Worker:
                 new = np.asarray(x.read_value())
                 if new.dtype == np.bool_:
                     if not np.array_equal(new, before):
-                        update: tuple[str, Any] = ("set", new)
-                        updates.setdefault(handle._task, (handle._actor, {}))[1][handle._id] = (
-                            update
-                        )
+                        updates_of(handle)[handle.var_id] = ("set", new)
                 else:
                     delta = new - before
                     if np.any(delta):
-                        updates.setdefault(handle._task, (handle._actor, {}))[1][handle._id] = (
-                            "add",
-                            delta,
-                        )
+                        updates_of(handle)[handle.var_id] = ("add", delta)
                 return handle
             if isinstance(x, jax.Array):
                 return np.asarray(x)

@@ -255,8 +255,13 @@ def _donating_some(
         # (segmentation fault with jax 0.10): refuse it first.
         if _leaves_deleted(leaves):
             raise _donated_error(where, args, kwargs, "RunOptions(donate_argnums=...)")
+        kept = tuple(x for i, x in enumerate(args) if i not in nums_set)
+        # An array both donated and passed again (``f(a, a)``) makes XLA's CPU runtime
+        # reuse a buffer it also reads (a segmentation fault with plain JAX too): refuse.
+        aliased = _aliased(donated, args, kwargs)
+        if aliased:
+            raise _aliased_error(where, args, kwargs, nums, aliased)
         if not _holds_per_replica(donated, treedef):
-            kept = tuple(x for i, x in enumerate(args) if i not in nums_set)
             return flat(treedef, leaves, kept, kwargs)
         return jitted(*_split_donated(args, kwargs, nums))
 
@@ -274,6 +279,44 @@ def _donated_error(
         f"earlier call ({option} gives the arguments' buffers to the "
         "outputs): pass the values that call returned, or copy the arguments first "
         "(jnp.copy), or run without donation."
+    )
+
+
+def _aliased(donated: tuple[Any, ...], args: Any, kwargs: Any) -> set[int]:
+    """The ids of donated arrays (plain leaves, or a `PerReplica`'s data; a batch's shared
+    valid counts are never donated) that appear more than once among the arguments."""
+    ids = [
+        id(x.array if isinstance(x, PerReplica) else x)
+        for x in jax.tree.leaves(donated, is_leaf=lambda x: isinstance(x, PerReplica))
+        if type(x) is _ARRAY or isinstance(x, PerReplica)
+    ]
+    if not ids:
+        return set()
+    wanted = set(ids)
+    counts: dict[int, int] = {}
+    for x in jax.tree.leaves((args, kwargs)):
+        if id(x) in wanted:
+            counts[id(x)] = counts.get(id(x), 0) + 1
+    return {i for i, n in counts.items() if n > 1}
+
+
+def _aliased_error(
+    where: str, args: Any, kwargs: Any, nums: tuple[int, ...], aliased: set[int]
+) -> ValueError:
+    """The arguments that pass one donated array twice."""
+    seen: dict[int, str] = {}
+    pairs = []
+    for p, x in jax.tree_util.tree_flatten_with_path((args, kwargs))[0]:
+        if id(x) in aliased:
+            name = path_str(p)
+            if id(x) in seen:
+                pairs.append(f"{seen[id(x)]} and {name}")
+            else:
+                seen[id(x)] = name
+    return ValueError(
+        f"{where}: {'; '.join(pairs)} are the same array, and RunOptions(donate_argnums="
+        f"{nums}) donates one of them: the program would overwrite a buffer it also reads. "
+        "Pass a copy (jnp.copy(x)) as one of them, or do not donate it."
     )
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 __all__ = ["nonfinite_leaves", "refuse_nonfinite"]
@@ -14,14 +15,25 @@ __all__ = ["nonfinite_leaves", "refuse_nonfinite"]
 
 def nonfinite_leaves(tree: Any) -> list[tuple[str, int, int]]:
     """(path, non-finite count, size) of every floating leaf of a host tree (NumPy arrays,
-    as `to_saveable` gives) that holds a NaN or an infinity, in tree order."""
+    as `to_saveable` gives) that holds a NaN or an infinity, in tree order. Every floating
+    dtype JAX has counts, bfloat16 and the float8 types included (NumPy files those under
+    kind ``V``)."""
     found = []
     for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
         x = np.asarray(leaf)
-        if x.dtype.kind in "fc" and x.size and not np.isfinite(x).all():
+        if _inexact(x.dtype) and x.size and not np.isfinite(x).all():
             bad = int(x.size - np.count_nonzero(np.isfinite(x)))
             found.append((jax.tree_util.keystr(path), bad, int(x.size)))
     return found
+
+
+def _inexact(dtype: np.dtype) -> bool:
+    if dtype.kind in "fc":
+        return True
+    try:
+        return bool(jnp.issubdtype(dtype, jnp.inexact))  # bfloat16, float8_*: kind "V"
+    except TypeError:  # a structured or other non-numeric dtype
+        return False
 
 
 def refuse_nonfinite(where: str, tree: Any, what: str = "the state") -> None:

@@ -1,8 +1,8 @@
 """Counts what the layout rules of jaxdist hold the code to (run: ``python tests/layout_audit.py``).
 
-- **Private reach-through**: places where a module reads or writes another module's
-  private members: ``x._name`` where ``x`` is not ``self``/``cls`` and ``_name`` is not
-  defined in the module itself, and ``from m import _name``. (A private *module* of a
+- **Private reach-through**: places that read or write another object's or module's
+  private members: ``x._name`` where ``x`` is not ``self``/``cls`` (another instance of
+  the same class counts too), and ``from m import _name``. (A private *module* of a
   package, imported by its package's modules, is not a private member.)
 - **Top-level modules**: the ``.py`` files directly under ``jaxdist/``.
 - **Repeated test blocks**: runs of six or more statement lines that appear again
@@ -22,36 +22,17 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "jaxdist"
-# Objects of the standard library whose private members jaxdist uses on purpose.
-_STDLIB = frozenset({"self", "cls", "sys", "os"})
+
+
+_NAMEDTUPLE_API = frozenset({"_make", "_replace", "_fields", "_asdict", "_field_defaults"})
+_OWN = frozenset({"self", "cls", "mcs", "type"})
+# Modules of JAX, NumPy and the standard library: a private member of theirs is counted
+# apart (the JAX compatibility module is the one door for JAX's).
+_THIRD_PARTY = frozenset({"jax", "np", "jnp", "lax", "os", "sys", "threading", "signal"})
 
 
 def _private(name: str) -> bool:
     return name.startswith("_") and not name.startswith("__")
-
-
-def _own_names(tree: ast.AST) -> set[str]:
-    """Every name the module defines: functions, classes, assigned names and attributes
-    of ``self``/``cls``, and attributes set with ``object.__setattr__(x, "name", ...)``."""
-    names: set[str] = set()
-    for node in ast.walk(tree):
-        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-            names.add(node.name)
-        elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
-            if isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"):
-                names.add(node.attr)
-        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
-            names.add(node.id)
-        elif (
-            isinstance(node, ast.Call)
-            and isinstance(node.func, ast.Attribute)
-            and node.func.attr == "__setattr__"
-            and len(node.args) >= 2
-            and isinstance(node.args[1], ast.Constant)
-            and isinstance(node.args[1].value, str)
-        ):
-            names.add(node.args[1].value)
-    return names
 
 
 def _is_module(dotted: str) -> bool:
@@ -59,36 +40,51 @@ def _is_module(dotted: str) -> bool:
     return path.with_suffix(".py").exists() or (path / "__init__.py").exists()
 
 
-def reach_through(path: Path) -> list[tuple[int, str]]:
-    """The places in ``path`` that reach into another module's private members."""
+def reach_through(path: Path) -> list[tuple[int, str, bool]]:
+    """The places in ``path`` that reach into another object's or module's private
+    members: ``(line, code, third_party)``. ``x._name`` counts unless ``x`` is ``self``,
+    ``cls``, ``type(...)`` or ``super()`` (or ``_name`` is namedtuple API), even when
+    ``x`` is another instance of the module's own class (say it through a public member)."""
     tree = ast.parse(path.read_text())
-    own = _own_names(tree)
-    found: list[tuple[int, str]] = []
+    found: list[tuple[int, str, bool]] = []
     for node in ast.walk(tree):
-        if isinstance(node, ast.Attribute) and _private(node.attr) and node.attr not in own:
+        if (
+            isinstance(node, ast.Attribute)
+            and _private(node.attr)
+            and node.attr not in _NAMEDTUPLE_API
+        ):
             base = node.value
-            if isinstance(base, ast.Name) and base.id in _STDLIB:
+            if isinstance(base, ast.Name) and base.id in _OWN:
                 continue
-            if node.attr.startswith("_jaxdist"):  # jaxdist's own marker on a foreign object
+            if (
+                isinstance(base, ast.Call)
+                and isinstance(base.func, ast.Name)
+                and base.func.id in ("type", "super")
+            ):
                 continue
-            found.append((node.lineno, ast.unparse(node)))
-        elif isinstance(node, ast.ImportFrom) and node.module and node.module != "__future__":
+            third = isinstance(base, ast.Name) and base.id in _THIRD_PARTY
+            found.append((node.lineno, ast.unparse(node), third))
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("jaxdist"):
             for alias in node.names:
                 if _private(alias.name) and not _is_module(f"{node.module}.{alias.name}"):
-                    found.append((node.lineno, f"from {node.module} import {alias.name}"))
+                    found.append((node.lineno, f"from {node.module} import {alias.name}", False))
     return sorted(found)
 
 
 def all_reach_through() -> list[str]:
-    """Every reach-through place under ``jaxdist/`` as ``path:line: code`` (the JAX
-    compatibility module, whose job is reading JAX's internals, left out)."""
+    """Every place under ``jaxdist/`` that reaches into jaxdist's own private members, as
+    ``path:line: code`` (private members of JAX, NumPy and the standard library left out)."""
     out = []
     for path in sorted(PACKAGE.rglob("*.py")):
-        if path.name == "_jax_compat.py":
-            continue
-        for line, code in reach_through(path):
-            out.append(f"{path.relative_to(ROOT)}:{line}: {code}")
+        for line, code, third in reach_through(path):
+            if not third:
+                out.append(f"{path.relative_to(ROOT)}:{line}: {code}")
     return out
+
+
+def top_level_modules() -> list[str]:
+    """The modules directly under ``jaxdist/``, ``__init__.py`` left out."""
+    return sorted(p.name for p in PACKAGE.glob("*.py") if p.name != "__init__.py")
 
 
 _WINDOW = 6
@@ -134,11 +130,6 @@ def repeated_blocks(root: Path) -> list[tuple[str, str]]:
             where_b = f"{pb.relative_to(root)}:{lb[b0][0]}-{lb[b1 + _WINDOW - 1][0]}"
             out.append((where_a, where_b))
     return out
-
-
-def top_level_modules() -> list[str]:
-    """The modules directly under ``jaxdist/``, ``__init__.py`` left out."""
-    return sorted(p.name for p in PACKAGE.glob("*.py") if p.name != "__init__.py")
 
 
 if __name__ == "__main__":

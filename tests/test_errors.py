@@ -81,7 +81,7 @@ def test_a_mirrored_none_variable_updated_per_replica() -> None:
         strategy.run(lambda ctx, v, x: ctx.assign(v, x), args=(v, x))
 
 
-def test_a_checkpoint_that_does_not_match_its_manifest(tmp_path: Path) -> None:
+def test_a_checkpoint_without_its_manifest(tmp_path: Path) -> None:
     pytest.importorskip("orbax.checkpoint")
     path = tmp_path / "ckpt"
     jd.checkpoint.save(path, {"w": jnp.arange(4.0)})

@@ -258,9 +258,13 @@ def _donating_some(
         kept = tuple(x for i, x in enumerate(args) if i not in nums_set)
         # An array both donated and passed again (``f(a, a)``) makes XLA's CPU runtime
         # reuse a buffer it also reads (a segmentation fault with plain JAX too): refuse.
-        aliased = _aliased(donated, args, kwargs)
-        if aliased:
-            raise _aliased_error(where, args, kwargs, nums, aliased)
+        # The usual call passes distinct objects: one set of ids tells, and only a repeated
+        # id (a shared valid count, a small int, or a real alias) takes the exact check.
+        ids = set(map(id, leaves))
+        if len(ids) < len(leaves) or not ids.isdisjoint(map(id, jax.tree.leaves((kept, kwargs)))):
+            aliased = _aliased(donated, args, kwargs)
+            if aliased:
+                raise _aliased_error(where, args, kwargs, nums, aliased)
         if not _holds_per_replica(donated, treedef):
             return flat(treedef, leaves, kept, kwargs)
         return jitted(*_split_donated(args, kwargs, nums))

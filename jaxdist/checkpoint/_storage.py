@@ -40,7 +40,7 @@ from jaxdist.errors import CheckpointVerificationError
 from jaxdist.values.distributed import Mirrored, PerReplica
 from jaxdist.variables.meta import mirrored_sharding
 
-__all__ = ["MANIFEST", "manifest_leaves", "restore", "save", "verify_leaves", "write_saveable"]
+__all__ = ["MANIFEST", "restore", "save", "write_saveable"]
 
 MANIFEST = "jaxdist_manifest.json"
 """The name of the checksum manifest `save` writes into a checkpoint directory."""
@@ -239,13 +239,9 @@ def save(directory: str | os.PathLike[str], state: Any, *, allow_nonfinite: bool
     write_saveable(os.path.abspath(directory), saveable)
 
 
-def manifest_leaves(where: str, tree: Any) -> list[dict[str, Any]]:
-    """The manifest's record of a saved tree: path, dtype, shape and SHA-256 of each leaf."""
-    return [{"path": list(p), **e} for p, e in _entries(where, tree).items()]
-
-
 def _parse_leaves(leaves: Any) -> dict[tuple[str, ...], dict[str, Any]]:
-    """`manifest_leaves` as read back from JSON (KeyError/TypeError when damaged)."""
+    """The manifest's ``leaves`` record as read back from JSON: path -> dtype, shape and
+    SHA-256 of each leaf (KeyError/TypeError when damaged)."""
     out = {}
     for e in leaves:
         out[tuple(str(t) for t in e["path"])] = {
@@ -282,16 +278,6 @@ def _damaged(where: str, record: str, path: str, error: Exception) -> ValueError
         f"{where}: {record} is damaged ({type(error).__name__}: {error}), so the checkpoint "
         f"in {path} cannot be verified. Restore an earlier checkpoint, or {_SKIP}."
     )
-
-
-def verify_leaves(where: str, path: str, leaves: Any, restored: Any) -> None:
-    """Checks a restored tree against its `manifest_leaves` record (``leaves``, as read
-    back from JSON); raises ValueError naming the first leaf that differs."""
-    try:
-        expected = _parse_leaves(leaves)
-    except (KeyError, TypeError, AttributeError, ValueError) as e:
-        raise _damaged(where, "the checksum record in its metadata", path, e) from None
-    _compare(where, path, expected, _entries(where, restored))
 
 
 def _compare(

@@ -236,7 +236,7 @@ class CrossDeviceOps(abc.ABC):
         where = f"{type(self).__name__}.reduce"
         op = ReduceOp.from_any(reduce_op, where=where)
         self.merged_options(options, where)
-        return self._reduce_pairs(where, op, [(per_replica_value, destinations)])[0]
+        return self.reduce_pairs(where, op, [(per_replica_value, destinations)])[0]
 
     def batch_reduce(
         self,
@@ -252,7 +252,7 @@ class CrossDeviceOps(abc.ABC):
         where = f"{type(self).__name__}.batch_reduce"
         op = ReduceOp.from_any(reduce_op, where=where)
         self.merged_options(options, where)
-        return self._reduce_pairs(where, op, check_pairs(value_destination_pairs, where))
+        return self.reduce_pairs(where, op, check_pairs(value_destination_pairs, where))
 
     def broadcast(self, tensor: Any, destinations: Any) -> Any:
         """Copies ``tensor`` (a pytree of arrays or `Mirrored` values) to ``destinations``.
@@ -263,7 +263,7 @@ class CrossDeviceOps(abc.ABC):
         where = f"{type(self).__name__}.broadcast"
         return broadcast_to(where, tensor, destination_sharding(destinations, where=where))
 
-    def _reduce_pairs(
+    def reduce_pairs(
         self,
         where: str,
         op: ReduceOp,
@@ -272,7 +272,8 @@ class CrossDeviceOps(abc.ABC):
         num_replicas: int | None = None,
         default: Any = None,
     ) -> list[Any]:
-        """Reduces every leaf of every pair's value, then places it on its destinations.
+        """Reduces every leaf of every pair's value, then places it on its destinations
+        (what ``reduce``, ``batch_reduce`` and `StrategyExtended.batch_reduce_to` run).
 
         ``num_replicas`` is the strategy's replica count (``None``: called on the
         ops directly, where a plain value is one replica's and a `Mirrored` has

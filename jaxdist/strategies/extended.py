@@ -103,6 +103,11 @@ class _CopyView(ReadsLikeAnArray):
         return len(self._value.shape)
 
     @property
+    def variable(self) -> Variable:
+        """The variable this is a copy of."""
+        return self._var
+
+    @property
     def name(self) -> str | None:
         return self._var.name
 
@@ -127,9 +132,7 @@ class _CopyView(ReadsLikeAnArray):
 
     def _coerce(self, value: Any, method: str) -> Any:
         where = f"StrategyExtended.update: {method} on the copy of variable {self._var.name!r}"
-        if isinstance(value, _CopyView):
-            value = value._value
-        elif isinstance(value, Variable):
+        if isinstance(value, (_CopyView, Variable)):
             value = value.read_value()
         elif isinstance(value, Mirrored):
             value = value.array
@@ -166,22 +169,22 @@ class _Copied:
     """A view's variable, as pytree metadata: equal for variables of the same metadata,
     shape and dtype, so a jitted ``jnp`` function called on views compiles once."""
 
-    __slots__ = ("_key", "var")
+    __slots__ = ("key", "var")
 
     def __init__(self, var: Variable) -> None:
         self.var = var
-        self._key = (var.meta, var.shape, str(var.dtype))
+        self.key = (var.meta, var.shape, str(var.dtype))
 
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, _Copied) and other._key == self._key
+        return isinstance(other, _Copied) and other.key == self.key
 
     def __hash__(self) -> int:
-        return hash(self._key)
+        return hash(self.key)
 
 
 jax.tree_util.register_pytree_node(
     _CopyView,
-    lambda view: ((view._value,), _Copied(view._var)),
+    lambda view: ((view.read_value(),), _Copied(view.variable)),
     lambda info, children: _CopyView(children[0], info.var),
 )
 
@@ -216,7 +219,7 @@ def _updated_value(fn: Callable[..., Any], view: _CopyView, args: Any, kwargs: A
     """Calls ``fn(view, ...)``; its result, or the view's value, is the copy's new value."""
     result = fn(view, *args, **kwargs)
     if result is None or isinstance(result, _CopyView):
-        return (view if result is None else result)._value
+        return (view if result is None else result).read_value()
     if isinstance(result, Mirrored):
         return result.array
     if isinstance(result, (jax.Array, np.ndarray, np.generic, int, float, bool)) or is_tracer(
@@ -225,7 +228,7 @@ def _updated_value(fn: Callable[..., Any], view: _CopyView, args: Any, kwargs: A
         return result
     raise TypeError(
         f"StrategyExtended.update: fn returned {type(result).__name__} ({result!r:.60}) for a "
-        f"copy of {view._var!r}. Return the new value (an array), or the copy it was given "
+        f"copy of {view.variable!r}. Return the new value (an array), or the copy it was given "
         "after v.assign / v.assign_add / v.assign_sub (or nothing)."
     )
 
@@ -437,7 +440,7 @@ class StrategyExtended:
             )
         n = strategy.num_replicas_in_sync
         return strategy.gated(
-            lambda: ops._reduce_pairs(where, op, pairs, num_replicas=n, default=default)
+            lambda: ops.reduce_pairs(where, op, pairs, num_replicas=n, default=default)
         )
 
     def reduce_to(

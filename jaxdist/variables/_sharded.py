@@ -341,11 +341,11 @@ class ShardedVariable(ReadsLikeAnArray):
 jax.tree_util.register_pytree_with_keys(
     ShardedVariable,
     lambda sv: (
-        tuple((jax.tree_util.SequenceKey(i), v) for i, v in enumerate(sv._variables)),
-        sv._name,
+        tuple((jax.tree_util.SequenceKey(i), v) for i, v in enumerate(sv.variables)),
+        sv.name,
     ),
     lambda name, children: ShardedVariable._make(list(children), name),
-    lambda sv: (sv._variables, sv._name),
+    lambda sv: (sv.variables, sv.name),
 )
 
 
@@ -521,9 +521,9 @@ def whole(x: Any) -> Any:
     variable, not its shards): its shards' `Mirrored` copies (``ON_WRITE``) or
     `PerReplica` copies (``ON_READ``) concatenated along the variable's first axis;
     anything else is returned as is."""
-    if not isinstance(x, ShardedVariable) or not all(isinstance(v, Variable) for v in x._variables):
+    if not isinstance(x, ShardedVariable) or not all(isinstance(v, Variable) for v in x.variables):
         return x
-    parts = [as_distributed(v) for v in x._variables]
+    parts = [as_distributed(v) for v in x.variables]
     if all(isinstance(p, Mirrored) for p in parts):
         return Mirrored(jnp.concatenate([p.array for p in parts], axis=0))
     if all(isinstance(p, PerReplica) for p in parts):

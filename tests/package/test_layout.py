@@ -10,9 +10,10 @@ import tomllib
 
 from layout_audit import PACKAGE, ROOT, all_reach_through, repeated_blocks, top_level_modules
 
-# The count after the layout work (137 places before it, by the same script); lower it
-# when a seam is made public, never raise it.
-REACH_THROUGH_CEILING = 0
+# Places that reach into a private member of another object or module, another instance
+# of the same class included (173 before the layout work, by the same rule); lower
+# it when a seam is made public, never raise it.
+REACH_THROUGH_CEILING = 12
 # Runs of six or more identical code lines repeated inside tests/ (12 before the layout
 # work); shared helpers in tests/_helpers.py keep it down.
 REPEATED_TEST_BLOCKS_CEILING = 1

@@ -31,6 +31,12 @@ try:
     f(b, b)
 except ValueError as e:
     out["again"] = str(e)
+both = strategy.function(lambda ctx, a, b: a * 2 + b, donate_argnums=(0, 1))
+try:
+    both(b, b)  # both donated: the same buffer donated twice
+except ValueError as e:
+    out["twice"] = str(e)
+out["b_kept"] = not b.is_deleted()
 print(json.dumps(out))
 """
 
@@ -41,3 +47,5 @@ def test_an_array_donated_and_passed_again_is_refused() -> None:
     assert "RunOptions(donate_argnums=(0,)) donates one of them" in out["error"]
     assert out["kept"] and out["ok"]  # nothing was donated; a copy runs and is right
     assert "are the same array" in out["again"]
+    assert "args[0] and args[1] are the same array" in out["twice"], out
+    assert "RunOptions(donate_argnums=(0, 1))" in out["twice"] and out["b_kept"]

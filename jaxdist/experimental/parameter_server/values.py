@@ -46,9 +46,6 @@ class RemoteValue:
         self._result, self._error = result, error
         self._done.set()
 
-    def _is_done(self) -> bool:
-        return self._done.is_set()
-
     def fetch(self) -> Any:
         """Waits for the closure and returns its result (a nested structure of NumPy arrays
         and variable handles), or raises its error (`concurrent.futures.CancelledError`

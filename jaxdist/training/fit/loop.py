@@ -49,7 +49,8 @@ class History:
     examples_per_second: list[float] = dataclasses.field(default_factory=list)
     stopped_early: bool = False
 
-    def _append(self, epoch: int, logs: Mapping[str, float], examples_per_s: float) -> None:
+    def record_epoch(self, epoch: int, logs: Mapping[str, float], examples_per_s: float) -> None:
+        """Adds one epoch's logs and throughput (called by `fit` at the end of each epoch)."""
         self.epochs.append(epoch)
         self.examples_per_second.append(examples_per_s)
         for k, v in logs.items():
@@ -416,7 +417,7 @@ class Runner:
                 self.total = done  # the data ran out: steps per epoch, now known
             rate = rows / max(seconds, 1e-9)
             self.display.epoch_end(loop.epoch, done, logs, rate, seconds)
-            history._append(loop.epoch, logs, rate)
+            history.record_epoch(loop.epoch, logs, rate)
             history.step = loop.step
             loop.record.epoch_ended = True
             for cb in self.callbacks:

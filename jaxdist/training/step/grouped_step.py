@@ -28,9 +28,11 @@ __all__ = ["GroupedStep", "SingleStep"]
 class SingleStep(Protocol):
     """What `GroupedStep` needs of the `TrainStep` it groups."""
 
-    steps_per_execution: int
     last_call_steps: int
     where: str
+
+    @property
+    def steps_per_execution(self) -> int: ...
 
     def run_one(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any: ...
 

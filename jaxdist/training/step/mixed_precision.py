@@ -255,12 +255,16 @@ class DynamicLossScale:
 
 
 def _flatten(s: DynamicLossScale) -> tuple[tuple[Any, Any], tuple[int, float, float]]:
-    return (s.loss_scale, s.counter), s._static()
+    return (s.loss_scale, s.counter), (s.period, s.factor, s.min_scale)
 
 
 def _flatten_with_keys(s: DynamicLossScale) -> tuple[Any, tuple[int, float, float]]:
     keys = (jax.tree_util.GetAttrKey("loss_scale"), jax.tree_util.GetAttrKey("counter"))
-    return tuple(zip(keys, (s.loss_scale, s.counter), strict=True)), s._static()
+    return tuple(zip(keys, (s.loss_scale, s.counter), strict=True)), (
+        s.period,
+        s.factor,
+        s.min_scale,
+    )
 
 
 def _unflatten(static: tuple[int, float, float], children: Any) -> DynamicLossScale:

@@ -179,7 +179,6 @@ class TrainStep:
     Attributes:
         fn: the step function.
         options: the `StepOptions`.
-        steps_per_execution: ``options.steps_per_execution``.
         last_call_steps: how many steps the last call ran: 1, or with
             ``steps_per_execution`` the batches it took (fewer than k at the end
             of the data); 0 before the first call. A
@@ -194,7 +193,6 @@ class TrainStep:
         options = StepOptions() if options is None else options
         self.fn = fn
         self.options = options
-        self.steps_per_execution = options.steps_per_execution
         self.scan = scan
         # Donated buffers to refuse before they reach a program.
         self._checks = options.donate or options.donate_argnums is not None
@@ -204,13 +202,18 @@ class TrainStep:
         self._last: _Last | None = None
         self._grouped = (
             GroupedStep(self, options.stack_outputs)
-            if self.steps_per_execution > 1 and not scan
+            if options.steps_per_execution > 1 and not scan
             else None
         )
         self.last_call_steps = 0
         name = getattr(fn, "__name__", "step")
         self.where = options.where or f"jaxdist.train_step({name})"
         functools.update_wrapper(self, fn)
+
+    @property
+    def steps_per_execution(self) -> int:
+        """``options.steps_per_execution``."""
+        return self.options.steps_per_execution
 
     @property
     def strategy(self) -> Strategy | None:

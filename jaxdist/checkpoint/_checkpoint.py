@@ -19,10 +19,12 @@ the checkpoint's name.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
 import re
+from collections.abc import Iterator
 from typing import Any
 
 import jax
@@ -31,13 +33,26 @@ import numpy as np
 from jaxdist.checkpoint import _arrays, _files, _items, _storage
 from jaxdist.checkpoint._finite import refuse_nonfinite
 
-__all__ = ["Checkpoint", "Snapshot", "set_save_counter", "take_snapshot"]
+__all__ = [
+    "Checkpoint",
+    "Snapshot",
+    "held_positions",
+    "iterator_positions",
+    "refuse_deleted",
+    "set_save_counter",
+    "take_snapshot",
+]
 
 META = "jaxdist_checkpoint.json"
 _FORMAT = "jaxdist-checkpoint"
 _ITERATOR_FORMAT = "jaxdist-checkpoint-iterators"
 _NAME = re.compile(r"^[A-Za-z][A-Za-z0-9_]*$")
 _RESERVED = frozenset({"save", "write", "restore", "read", "save_counter"})
+
+
+_REBIND = (
+    "rebind each step's new state into the checkpoint (ckpt.state = new_state) before it saves"
+)
 
 
 def iterator_file(process: int) -> str:
@@ -105,6 +120,7 @@ class Checkpoint:
     def __init__(self, **items: Any) -> None:
         object.__setattr__(self, "_items", {})
         object.__setattr__(self, "_save_counter", 0)
+        object.__setattr__(self, "_held_positions", None)
         for name, item in items.items():
             setattr(self, name, item)
 
@@ -248,12 +264,14 @@ def take_snapshot(
     items may change, and their device buffers be donated, while the snapshot is
     written (an asynchronous save); otherwise NumPy items are taken as they are.
     """
+    refuse_deleted(where, checkpoint, _REBIND)
     items = checkpoint._items
     kinds = {name: _items.kind_of(item) for name, item in items.items()}
     trees, positions = {}, {}
+    held = checkpoint._held_positions or {}
     for name, item in items.items():
         if kinds[name] == _items.ITERATOR:
-            positions[name] = _iterator_state(where, name, item)
+            positions[name] = held[name] if name in held else _iterator_state(where, name, item)
         else:
             trees[name] = _plain(where, _items.tree_of(item, kinds[name]))
     arrays = {"save_counter": np.int64(checkpoint._save_counter), "items": trees}
@@ -261,6 +279,49 @@ def take_snapshot(
     if not allow_nonfinite:
         refuse_nonfinite(where, host["items"])
     return Snapshot(kinds=kinds, arrays=host, positions=positions)
+
+
+def iterator_positions(checkpoint: Checkpoint) -> dict[str, Any]:
+    """The positions (``get_state()``) of ``checkpoint``'s iterator items now, by name."""
+    return {
+        name: item.get_state()
+        for name, item in checkpoint._items.items()
+        if _items.kind_of(item) == _items.ITERATOR
+    }
+
+
+@contextlib.contextmanager
+def held_positions(checkpoint: Checkpoint, positions: dict[str, Any]) -> Iterator[None]:
+    """Saves made inside the block store ``positions`` for those iterator items instead of
+    their current positions: the preemption handler saves at the start of a ``run()`` call
+    the positions of the end of the previous one, since a loop that passes
+    ``next(iterator)`` to ``run`` has already taken the call's batch."""
+    object.__setattr__(checkpoint, "_held_positions", dict(positions))
+    try:
+        yield
+    finally:
+        object.__setattr__(checkpoint, "_held_positions", None)
+
+
+def refuse_deleted(where: str, checkpoint: Checkpoint, fix: str) -> None:
+    """Raises ``ValueError`` naming every item of ``checkpoint`` that holds a deleted array
+    (its buffer donated to a step that returned a new one), with ``fix``; a save would
+    otherwise fail deep in the copy to the host."""
+    found = []
+    for name, item in checkpoint._items.items():
+        kind = _items.kind_of(item)
+        if kind == _items.ITERATOR:
+            continue
+        flat, _ = jax.tree_util.tree_flatten_with_path(_items.tree_of(item, kind))
+        for path, leaf in flat:
+            if isinstance(leaf, jax.Array) and leaf.is_deleted():
+                found.append(f"{name}{jax.tree_util.keystr(path)} {leaf.dtype}{list(leaf.shape)}")
+    if found:
+        shown = "; ".join(found[:5]) + (f"; and {len(found) - 5} more" if len(found) > 5 else "")
+        raise ValueError(
+            f"{where}: the checkpoint holds arrays that were deleted (donated to a step that "
+            f"returned new ones): {shown}. Nothing was saved. The fix: {fix}."
+        )
 
 
 def set_save_counter(checkpoint: Checkpoint, count: int) -> None:

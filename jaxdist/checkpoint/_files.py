@@ -31,6 +31,7 @@ from jaxdist._jax_compat import distributed_client
 
 __all__ = [
     "barrier",
+    "check_writable",
     "fsync_tree",
     "is_primary",
     "publish",
@@ -59,6 +60,33 @@ def barrier(what: str) -> None:
         return
     name = f"jaxdist/checkpoint/{next(_BARRIERS)}/{what}"
     client.wait_at_barrier(name, BARRIER_TIMEOUT_S * 1000)
+
+
+def check_writable(where: str, directory: str, argument: str) -> None:
+    """Raises ``ValueError`` unless files can be created in ``directory`` (made if missing,
+    then removed again if this made it): found when a job starts, not at its first save."""
+    made: list[str] = []
+    here = directory
+    while not os.path.lexists(here):
+        made.append(here)
+        here = os.path.dirname(here)
+    probe = os.path.join(directory, f".jaxdist-write-test.{os.getpid()}")
+    try:
+        for level in reversed(made):
+            os.mkdir(level)
+        with open(probe, "w", encoding="utf-8"):
+            pass
+        os.remove(probe)
+    except OSError as e:
+        raise ValueError(
+            f"{where}: {argument}={directory!r} cannot hold checkpoints: {type(e).__name__}: "
+            f"{e.strerror or e} ({e.filename or here}). Give a directory this process can "
+            "create files in."
+        ) from None
+    finally:
+        for level in made:
+            with contextlib.suppress(OSError):
+                os.rmdir(level)
 
 
 def _fsync(path: str, directory: bool) -> None:

@@ -13,8 +13,8 @@ guessed ``max(steps) + k`` past the end of the data. The processes run the
 same calls, each of the same steps, so at the agreed call the step count is
 the same in every process; that is what is saved as ``total_run_calls``.
 
-One process (`LocalAgreement`): its own notice decides, and it saves at once,
-after the call that just finished.
+One process (`LocalAgreement`): its own notice decides, and it saves at the
+start of the next call.
 
 Several processes (`KeyValueAgreement`, through the ``jax.distributed``
 coordination service's key-value store):
@@ -24,7 +24,9 @@ coordination service's key-value store):
    this round, publishes its count ``c`` under ``<round>/<process id>`` at the
    end of the call that made it ``c``, and runs one more call.
 2. After that call it waits until every process has published, and all save
-   after count ``max(c) + 1``.
+   after count ``max(c) + 1``: at the start of the call that follows it, before
+   the function runs (TF's moment), so the state the loop rebinds after a call
+   is in the checkpoint.
 
 Why every process meets that count, and nobody waits forever: a process
 publishes before it starts call ``c + 1``, and ``max(c) + 1 > c`` for every
@@ -62,7 +64,8 @@ _HANDLERS = itertools.count()  # handlers made in this process, in order
 
 
 class LocalAgreement:
-    """One process: its own notice starts a round, and it saves after the current call."""
+    """One process: its own notice starts a round, and it saves at the start of the next
+    call."""
 
     process_count = 1
 

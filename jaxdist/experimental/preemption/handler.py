@@ -9,15 +9,24 @@ job agrees on, then calls ``exit_fn`` (by default ``sys.exit(42)``, the code
 the job starts again the handler restores the checkpoint as it is created,
 ``total_run_calls`` included, so the loop resumes exactly where it stopped.
 
+The save happens where TF's does: at the start of a ``run()`` call, before
+the function runs. So whatever the loop rebinds after a call is saved, with
+either habit: ``ckpt.state = handler.run(train, ckpt.state, next(it))`` (TF's)
+or ``handler.run(step)`` with ``ckpt.state = train(ckpt.state, batch)`` inside.
+Iterator items are saved at their position at the end of the previous call,
+so a batch already taken for the call (``next(it)`` as an argument) is not
+skipped on resume.
+
 ``total_run_calls`` keeps TF's name but counts steps: a function that runs
 several in one call (a ``jd.train_step(..., steps_per_execution=k)``) says how
-many in its ``last_call_steps`` attribute, and the handler saves at the end of
-a call, the step boundary it can reach.
+many in its ``last_call_steps`` attribute, and the handler saves between
+calls, the step boundary it can reach.
 
 How the processes agree is in `jaxdist.experimental.preemption.agreement`:
-one process saves after the call in progress; several publish how many
-``run`` calls they made through the ``jax.distributed`` key-value store and
-save after the call that follows the largest of them.
+one process saves at the start of the call after the notice; several publish
+how many ``run`` calls they made through the ``jax.distributed`` key-value
+store, agree after the call that follows the largest of them, and save at
+the start of the next.
 
 `jaxdist.fit` takes a handler made with its `jaxdist.training.Checkpoint`
 callback (``preemption_handler=``): the same agreement (fit calls it once a step),
@@ -48,8 +57,13 @@ import jax
 
 from jaxdist._jax_compat import distributed_client
 from jaxdist.checkpoint import Checkpoint, CheckpointManager
-from jaxdist.checkpoint._checkpoint import META
-from jaxdist.checkpoint._files import read_json
+from jaxdist.checkpoint._checkpoint import (
+    META,
+    held_positions,
+    iterator_positions,
+    refuse_deleted,
+)
+from jaxdist.checkpoint._files import check_writable, read_json
 from jaxdist.cluster_resolver import ClusterResolver, is_initialized
 from jaxdist.experimental.preemption.agreement import (
     DEFAULT_TIMEOUT_S,
@@ -111,22 +125,34 @@ class PreemptionCheckpointHandler:
     - on SIGTERM (a handler it installs, which also calls a Python SIGTERM
       handler installed before it; it replaces JAX's own preemption notifier),
       or once ``termination_watcher_fn`` returns True, every process of the
-      job saves after the same call, then calls ``exit_fn``.
+      job saves at the start of the same `run` call (before its function
+      runs, as TF's handler does), then calls ``exit_fn``.
 
-    One process saves after the call in progress when the notice comes (the
-    next step boundary). Several agree through the ``jax.distributed``
-    key-value store: a process with a notice publishes how many `run` calls it
-    made, every process looks for such counts after each call (one
-    non-blocking request) and publishes its own, and all save after the call
-    that follows the largest count. So every process must call `run` once per
-    training step (or group of steps), the same number of times.
+    One process saves at the start of the first call after the notice.
+    Several agree through the ``jax.distributed`` key-value store: a process
+    with a notice publishes how many `run` calls it made, every process looks
+    for such counts after each call (one non-blocking request) and publishes
+    its own, and all save at the start of the call after the one that follows
+    the largest count. So every process must call `run` once per training
+    step (or group of steps), the same number of times.
+
+    Either rebinding habit is saved whole: TF's, ``ckpt.state =
+    handler.run(train, ckpt.state, next(it))``, where the new state reaches the
+    checkpoint after `run` returns, and the state rebound inside the function
+    (``ckpt.state = train(ckpt.state, ckpt.data)``). Iterator items are saved
+    at their position at the end of the previous call (``get_state()`` after
+    each call), so a batch taken for the next call before `run` is not skipped
+    on resume. A checkpoint item that holds a deleted array (a state donated
+    to a step, never rebound: ``state = handler.run(train, state, batch)`` with
+    the checkpoint holding the first ``state``) is refused at the start of the
+    second call, naming the item, not found first at preemption time.
 
     Several steps per call: ``total_run_calls`` keeps TF's name but counts
     steps. When the function given to `run` has an attribute
     ``last_call_steps`` (a ``jd.train_step(..., steps_per_execution=k)`` has:
     k, or fewer for the last group of the data), the handler adds it after
-    each call instead of 1, and saves at the end of a call (the state exists
-    only there), which every process reaches after the same steps. A function
+    each call instead of 1, and saves between calls (the state exists only
+    there), which every process reaches after the same steps. A function
     that wraps such a step passes the count on::
 
         def step():
@@ -134,11 +160,11 @@ class PreemptionCheckpointHandler:
             step.last_call_steps = train.last_call_steps
 
     The checkpoint must hold everything a step changes, including the data
-    iterator (its position) and functional state rebound after each step
-    (``ckpt.state = new_state`` inside the function given to `run`): the
-    save happens inside `run`, after the function returned. Take the batch
-    inside that function, or pass ``next(iterator)`` as its argument; either
-    way the saved position is after the batches the saved steps used.
+    iterator (its position) and functional state rebound after each step.
+    Take the batch inside the function, or pass ``next(iterator)`` as its
+    argument; either way the saved position is after the batches the saved
+    steps used. With ``save_fn`` the positions are the iterators' own at the
+    start of the call (save_fn saves what it wants).
 
     Under fit: ``jd.fit(..., callbacks=[ckpt], preemption_handler=handler,
     resume=True)`` with ``handler = PreemptionCheckpointHandler(resolver,
@@ -189,6 +215,10 @@ class PreemptionCheckpointHandler:
         if self.fit_checkpoint is None:
             self._manager = _manager(checkpoint_or_checkpoint_manager, checkpoint_dir)
             self._checkpoint = self._manager.checkpoint
+        if config.save_fn is None:  # the handler's save writes there: find a problem now
+            owner = self._manager if self._manager is not None else self.fit_checkpoint
+            assert owner is not None
+            check_writable(_WHERE, owner.directory, "checkpoint_dir")
         self._agreement = _agreement(cluster_resolver)
         self._me = jax.process_index()
         self._watcher_fn = config.termination_watcher_fn
@@ -198,6 +228,9 @@ class PreemptionCheckpointHandler:
 
         self._run_counter = 0  # steps, restored from the checkpoint
         self._calls = 0  # run() calls (or fit steps) since this handler was made
+        self._save_due = False  # every process agreed: save at the start of the next run()
+        self._items_checked = False  # the checkpoint's items checked for donated arrays
+        self._positions: dict[str, Any] = {}  # its iterators' positions after the last call
         self._last_steps = 1  # the steps of the last call
         self.restored_from: str | None = None
         if self._manager is not None:
@@ -245,6 +278,7 @@ class PreemptionCheckpointHandler:
                     "item to the Checkpoint)."
                 )
         manager.restore_or_initialize()
+        self._positions = iterator_positions(ckpt)
         self._run_counter = _count(getattr(ckpt, RUN_CALLS_ITEM))
         self.restored_from = latest
 
@@ -351,6 +385,7 @@ class PreemptionCheckpointHandler:
                 "jd.checkpoint.Checkpoint of the state for a loop of your own."
             )
         self._raise_watcher_error("run")
+        self._before_call()
         result = distributed_train_function(*args, **kwargs)
         steps = _steps_of(distributed_train_function)
         self._last_steps = steps
@@ -379,13 +414,29 @@ class PreemptionCheckpointHandler:
         self._calls += 1
         if self._checkpoint is not None:
             setattr(self._checkpoint, RUN_CALLS_ITEM, count)
+            self._positions = iterator_positions(self._checkpoint)
         if self._grace_period:
             now = time.monotonic()
             if self._last_call is not None:
                 self._step_s += 0.2 * ((now - self._last_call) - self._step_s)
             self._last_call = now
+        if self._checkpoint is not None and self._agreement.process_count == 1:
+            return  # one process in a loop of its own: the next run() call decides
         if self._noticed or self._published is not None or self._agreement.process_count > 1:
             self._after_call()
+
+    def _before_call(self) -> None:
+        """The start of a run() call: the save agreed on (or, in one process, a notice
+        received) happens here, before the call, as in TF: the checkpoint then holds what
+        the loop rebound after the previous call (``ckpt.state = handler.run(...)``)."""
+        assert self._checkpoint is not None
+        if self._calls == 1 and not self._items_checked:
+            # The second call: a loop that never rebinds the checkpoint's state shows here.
+            self._items_checked = True
+            refuse_deleted(f"{_WHERE}.run", self._checkpoint, _REBIND)
+        if self._save_due or (self._agreement.process_count == 1 and self._round_begun()):
+            self._save_due = False
+            self._save_and_exit()
 
     @contextlib.contextmanager
     def watch_preemption_scope(self) -> Iterator[None]:
@@ -425,7 +476,10 @@ class PreemptionCheckpointHandler:
                 "process must call run() once per training step (or group of steps), the "
                 "same number of times."
             )
-        self._save_and_exit()
+        if self.fit_checkpoint is not None:
+            self._save_and_exit()  # fit holds the state itself: saved after the step
+        else:
+            self._save_due = True  # at the start of the next run() call, in every process
 
     def _round_begun(self) -> bool:
         if self._countdown:  # the final round: this process's deadline, or another's
@@ -444,8 +498,10 @@ class PreemptionCheckpointHandler:
             self.fit_checkpoint.wait_until_finished()  # written before exit_fn
             saved = f"fit's Checkpoint callback saved {self.fit_checkpoint.last_checkpoint}"
         else:
-            assert self._manager is not None
-            saved = f"saved {self._manager.save()}"
+            assert self._manager is not None and self._checkpoint is not None
+            refuse_deleted(f"{_WHERE}.run", self._checkpoint, _REBIND)
+            with held_positions(self._checkpoint, self._positions):
+                saved = f"saved {self._manager.save()}"
             self._manager.wait_until_finished()  # an asynchronous manager: written before exit
         self.last_save_seconds = time.monotonic() - start
         if self.fit_checkpoint is not None:
@@ -478,6 +534,14 @@ class PreemptionCheckpointHandler:
         # exit_fn returned: training goes on, and the next notice starts a new round.
         if self._watcher_fn is not None:
             self._start_watcher()
+
+
+_REBIND = (
+    "the handler saves at the start of a run() call, so the checkpoint must hold the state "
+    "the previous call returned: rebind it after each call (ckpt.state = handler.run(train, "
+    "ckpt.state, next(it))) or inside the function given to run (ckpt.state = "
+    "train(ckpt.state, batch)), not a local variable the checkpoint does not see"
+)
 
 
 def _say(process: int, message: str) -> None:

@@ -85,9 +85,10 @@ def test_run_returns_the_result_counts_calls_and_a_restart_restores_them(tmp_pat
     notice.set()
     _run_until(handler, step, lambda: bool(exits))
     count, w = _saved(tmp_path)
-    # Saved after the call that saw the notice: its count and the state of that step (each
-    # step adds 1 to w; the lambda call above added nothing).
-    assert count == handler.total_run_calls and w == [count - 1.0] * 3
+    # Saved at the start of the call after the notice (TF's moment): the count and state of
+    # the calls before it (each step adds 1 to w; the lambda call above added nothing); that
+    # call ran once exit_fn returned.
+    assert count == handler.total_run_calls - 1 and w == [count - 1.0] * 3
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt-1", "jaxdist_checkpoints.json"]
     # A restarted job: new objects, a new handler over the directory restores everything.
     again, restarted = _handler(tmp_path, termination_watcher_fn=lambda: False)
@@ -121,7 +122,9 @@ def test_the_default_exit_fn_exits_with_42_after_saving(tmp_path: Path) -> None:
     with pytest.raises(SystemExit) as exited:
         _run_until(handler, _step(ckpt), lambda: False)
     assert exited.value.code == 42
-    assert _saved(tmp_path)[0] == handler.total_run_calls >= 1
+    # Saved at the start of a call, which then never ran: the count and its state.
+    count, w = _saved(tmp_path)
+    assert count == handler.total_run_calls and w == [float(count)] * 3
 
 
 def test_save_fn_replaces_the_save(tmp_path: Path) -> None:
@@ -133,7 +136,9 @@ def test_save_fn_replaces_the_save(tmp_path: Path) -> None:
         exit_fn=lambda: None,
     )
     _run_until(handler, _step(ckpt), lambda: bool(seen))
-    assert seen == [handler.total_run_calls]  # the item is up to date when save_fn runs
+    # The item is up to date when save_fn runs, at the start of the last call (which ran
+    # once exit_fn returned).
+    assert seen == [handler.total_run_calls - 1]
     assert not (tmp_path / "c").exists()  # the handler saved nothing itself
 
 
@@ -288,10 +293,14 @@ _CHAINED = textwrap.dedent(
 
 
 @pytest.mark.timeout(120)
-def test_sigterm_saves_after_the_step_and_calls_the_previous_handler(tmp_path: Path) -> None:
+def test_sigterm_saves_before_the_next_step_and_calls_the_previous_handler(
+    tmp_path: Path,
+) -> None:
+    # The SIGTERM came after 3 steps: the 4th call saves them first (TF's moment), then runs
+    # its step once exit_fn returned.
     out = run_python(_CHAINED, str(tmp_path), devices=1)
-    assert out == {"calls": [signal.SIGTERM], "exits": [4], "w": [4.0, 4.0]}
-    assert _saved(tmp_path, size=2) == (4, [4.0, 4.0])
+    assert out == {"calls": [signal.SIGTERM], "exits": [3], "w": [4.0, 4.0]}
+    assert _saved(tmp_path, size=2) == (3, [3.0, 3.0])
 
 
 # Several processes: the agreement ------------------------------------------------------------
@@ -355,10 +364,11 @@ def test_two_processes_save_after_the_same_step(tmp_path: Path) -> None:
     assert results[1]["exit_at"] == exit_at  # one step for both
     assert exit_at > results[1]["noticed_at"]  # after the notice, at a step boundary
     n = 300  # calls before the training steps
-    # The reference: w counts the steps (each adds 1 on each of the 8 replicas, summed);
-    # the step after the save is the first one exit_fn let through.
+    # The reference: w counts the steps (each adds 1 on each of the 8 replicas, summed).
+    # The save came at the start of the call after exit_at; that call's step ran once
+    # exit_fn returned, and the script's final step() is one more.
     for r in results:
-        assert r["w"] == 8.0 * (exit_at - n + 1)
+        assert r["w"] == 8.0 * (exit_at - n + 2)
     count, saved = _saved_scalar(tmp_path)
     assert count == exit_at and saved == 8.0 * (exit_at - n)
     for r in results:
@@ -420,7 +430,8 @@ def test_two_processes_grace_period_saves_twice_at_agreed_steps(tmp_path: Path) 
     # Process 0's notice came within the watcher's 0.5 s of the event; the last save leaves
     # about three steps and a save's time before the 2 s are up (generous bounds).
     assert 1.0 <= results[0]["exit_after_s"] <= 2.0 + 0.5 + 1.5, results[0]
-    assert results[0]["w"] == results[1]["w"] == 8.0 * final  # w counts the steps
+    # w counts the steps; the call that saved ran its step once exit_fn returned.
+    assert results[0]["w"] == results[1]["w"] == 8.0 * (final + 1)
     # The manager given was used: both saves are there, the last one holds the last step.
     again = jd.checkpoint.Checkpoint(w=jnp.zeros(()), total_run_calls=0)
     manager = jd.checkpoint.CheckpointManager(again, tmp_path, max_to_keep=None)

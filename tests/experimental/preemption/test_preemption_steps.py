@@ -69,6 +69,7 @@ class _Training:
             return state.apply_gradients(grads=grads)
 
         self.train = train
+        self.plain = train.replace(steps_per_execution=1)  # one batch per call
         self.ckpt = jd.checkpoint.Checkpoint(state=state, data=iter(dataset))
 
         def step() -> None:
@@ -122,53 +123,56 @@ def test_a_save_during_a_grouped_run_is_at_a_group_boundary_and_resumes_bitwise(
     notice.set()
     time.sleep(4 * handler_module.WATCH_INTERVAL_S)  # the watcher has seen it
     with pytest.raises(SystemExit) as exit_info:  # the default exit_fn: sys.exit(42)
-        handler.run(training.step)  # steps 5-8, then the save
+        handler.run(training.step)  # the save, before steps 5-8 (TF's moment)
     assert exit_info.value.code == handler_module.RESTART_EXIT_CODE
-    assert handler.total_run_calls == 2 * K  # steps, at the end of the second call
+    assert handler.total_run_calls == K  # steps, at the end of the first call
 
     restarted = _Training(jd.MirroredStrategy())
     again = _handler(restarted, tmp_path / "run", termination_watcher_fn=lambda: False)
     assert again.restored_from is not None
-    assert again.total_run_calls == 2 * K and restarted.ckpt.total_run_calls == 2 * K
-    assert restarted.run_to_end(again) == 1  # the remaining 3 steps, one short group
+    assert again.total_run_calls == K and restarted.ckpt.total_run_calls == K
+    assert restarted.run_to_end(again) == 2  # the remaining 4 + 3 steps
     assert again.total_run_calls == BATCHES
     np.testing.assert_array_equal(restarted.weights(), expected)  # bitwise
     np.testing.assert_allclose(restarted.weights(), _reference(), **REF)
 
 
-def test_a_notice_before_the_short_last_group_saves_after_it(tmp_path: Path) -> None:
+def test_a_notice_before_the_short_last_group_saves_before_it(tmp_path: Path) -> None:
     notice, exits = threading.Event(), []
+
+    def exit_fn() -> None:  # returns: training goes on
+        exits.append(handler.total_run_calls)
+        notice.clear()
+
     training = _Training(jd.MirroredStrategy())
-    handler = _handler(
-        training,
-        tmp_path,
-        termination_watcher_fn=notice.is_set,
-        exit_fn=lambda: exits.append(handler.total_run_calls),
-    )
+    handler = _handler(training, tmp_path, termination_watcher_fn=notice.is_set, exit_fn=exit_fn)
     handler.run(training.step)
     handler.run(training.step)
+    after_two = training.weights()
     notice.set()
     time.sleep(4 * handler_module.WATCH_INTERVAL_S)
-    assert training.run_to_end(handler) == 1
-    assert exits == [BATCHES]  # saved after the short group: 8 + 3 steps
+    assert training.run_to_end(handler) == 1  # the short group ran after the save
+    assert exits == [2 * K]  # saved at the start of the third call: 8 steps
     fresh = _Training(jd.MirroredStrategy())
     restored = _handler(fresh, tmp_path, termination_watcher_fn=lambda: False)
-    assert restored.total_run_calls == BATCHES
+    assert restored.total_run_calls == 2 * K
+    np.testing.assert_array_equal(fresh.weights(), after_two)
+    assert fresh.run_to_end(restored) == 1  # the data position: before the short group
     np.testing.assert_array_equal(fresh.weights(), training.weights())
-    assert fresh.run_to_end(restored) == 0  # the data position: at the end
 
 
 def test_a_train_step_given_directly_counts_its_steps(tmp_path: Path) -> None:
     training = _Training(jd.MirroredStrategy())
     handler = _handler(training, tmp_path, termination_watcher_fn=lambda: False)
     assert training.train.last_call_steps == 0  # no call yet
-    state = handler.run(training.train, training.ckpt.state, training.ckpt.data)
+    ckpt = training.ckpt  # TF's habit: the new state is rebound after run returns
+    ckpt.state = handler.run(training.train, ckpt.state, ckpt.data)
     assert training.train.last_call_steps == K and handler.total_run_calls == K
-    state = handler.run(training.train, state, training.ckpt.data)
-    state = handler.run(training.train, state, training.ckpt.data)
+    ckpt.state = handler.run(training.train, ckpt.state, ckpt.data)
+    ckpt.state = handler.run(training.train, ckpt.state, ckpt.data)
     assert training.train.last_call_steps == 3 and handler.total_run_calls == BATCHES
     with pytest.raises(StopIteration):  # nothing left: not counted
-        handler.run(training.train, state, training.ckpt.data)
+        handler.run(training.train, ckpt.state, ckpt.data)
     assert handler.total_run_calls == BATCHES
 
 
@@ -279,3 +283,69 @@ def test_two_processes_save_after_the_same_call_the_short_last_group(tmp_path: P
         np.testing.assert_allclose(r["w"], expected, **REF)
         np.testing.assert_array_equal(r["saved_w"], r["w"])  # saved after the last step
     assert results[0]["w"] == results[1]["w"]
+
+
+# TF's rebinding habit -------------------------------------------------------------------------
+
+
+def _tf_loop(training: _Training, handler: Any, calls: int | None = None) -> int:
+    """TF's habit: the batch taken before run(), the new state rebound after it returns."""
+    made = 0
+    while calls is None or made < calls:
+        try:
+            batch = next(training.ckpt.data)
+        except StopIteration:
+            return made
+        training.ckpt.state = handler.run(training.plain, training.ckpt.state, batch)
+        made += 1
+    return made
+
+
+def test_tf_habit_rebinding_after_run_is_saved_and_resumes_bitwise(tmp_path: Path) -> None:
+    # Before: the handler saved inside run(), before the rebinding, and died on the donated
+    # state ("Array has been deleted"); now the save comes at the start of the next call.
+    reference = _Training(jd.MirroredStrategy())
+    never = _handler(reference, tmp_path / "ref", termination_watcher_fn=lambda: False)
+    assert _tf_loop(reference, never) == BATCHES
+    notice = threading.Event()
+    training = _Training(jd.MirroredStrategy())
+    handler = _handler(training, tmp_path / "run", termination_watcher_fn=notice.is_set)
+    assert _tf_loop(training, handler, calls=5) == 5
+    notice.set()
+    time.sleep(4 * handler_module.WATCH_INTERVAL_S)
+    with pytest.raises(SystemExit):  # the sixth call saves first: 5 steps, batch 6 not used
+        _tf_loop(training, handler)
+    restarted = _Training(jd.MirroredStrategy())
+    again = _handler(restarted, tmp_path / "run", termination_watcher_fn=lambda: False)
+    assert again.total_run_calls == 5
+    # The position saved is the end of the fifth call, not past the batch taken for the sixth.
+    assert _tf_loop(restarted, again) == BATCHES - 5
+    np.testing.assert_array_equal(restarted.weights(), reference.weights())  # bitwise
+    np.testing.assert_allclose(restarted.weights(), _reference(), **REF)
+
+
+def test_a_loop_that_never_rebinds_the_checkpoint_is_refused_at_the_second_call(
+    tmp_path: Path,
+) -> None:
+    training = _Training(jd.MirroredStrategy())
+    handler = _handler(training, tmp_path, termination_watcher_fn=lambda: False)
+    state = handler.run(training.plain, training.ckpt.state, next(training.ckpt.data))
+    with pytest.raises(
+        ValueError,
+        match=r"run: the checkpoint holds arrays that were deleted .*: state\.step int32\[\]; "
+        r"state\.params\['w'\] float32\[4\].*ckpt\.state = handler\.run\(train, ckpt\.state",
+    ):
+        handler.run(training.plain, state, next(training.ckpt.data))
+
+
+def test_an_unwritable_directory_is_refused_when_the_handler_is_made(tmp_path: Path) -> None:
+    # Before: a raw NotADirectoryError at the first preemption (exit 1 instead of 42).
+    (tmp_path / "file").write_text("not a directory")
+    training = _Training(jd.MirroredStrategy())
+    with pytest.raises(
+        ValueError, match=r"checkpoint_dir='.*file/ckpts' cannot hold checkpoints: NotADirectory"
+    ):
+        _handler(training, tmp_path / "file" / "ckpts")
+    made = tmp_path / "new" / "deeper"
+    _handler(_Training(jd.MirroredStrategy()), made, termination_watcher_fn=lambda: False)
+    assert not (tmp_path / "new").exists()  # checked, and left as it was until a save

@@ -182,10 +182,11 @@ class Checkpoint:
         return snapshot.write(f"{os.fspath(file_prefix)}-{self._save_counter}")
 
     def write(self, path: str | os.PathLike[str], *, allow_nonfinite: bool = False) -> str:
-        """Writes the checkpoint to the directory ``path`` (replacing one there), without
-        counting it. Every process of a job calls it. A state holding NaN or
-        infinite values raises ``ValueError`` (nothing is written) unless
-        ``allow_nonfinite=True``.
+        """Writes the checkpoint to the directory ``path`` (replacing a checkpoint there),
+        without counting it. Every process of a job calls it. A state holding NaN
+        or infinite values raises ``ValueError`` (nothing is written) unless
+        ``allow_nonfinite=True``; a ``path`` that holds anything but a jaxdist
+        checkpoint (or nothing) raises ``FileExistsError`` and is left as it was.
 
         Returns:
             The absolute path written.
@@ -351,6 +352,7 @@ class Snapshot:
             The absolute path written.
         """
         final = os.path.abspath(os.fspath(path))
+        _refuse_foreign(final)
         tmp = f"{final}.tmp"
         if _files.is_primary():
             os.makedirs(os.path.dirname(final), exist_ok=True)
@@ -375,6 +377,27 @@ class Snapshot:
             _files.publish(tmp, final)
         _files.barrier("published")
         return final
+
+
+def _refuse_foreign(final: str) -> None:
+    """Raises ``FileExistsError`` if ``final`` exists and is not a checkpoint jaxdist wrote
+    (or an empty directory): a write replaces what is there, and must never take a user's
+    files with it."""
+    if not os.path.lexists(final):
+        return
+    if os.path.isdir(final) and not os.path.islink(final):
+        names = sorted(os.listdir(final))
+        if not names or META in names or _storage.MANIFEST in names:
+            return
+        shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+        what = f"a directory of other files ({shown})"
+    else:
+        what = "a file" if not os.path.islink(final) else "a symbolic link"
+    raise FileExistsError(
+        f"jaxdist.checkpoint: {final} exists and is not a checkpoint jaxdist wrote: it is "
+        f"{what}. Writing there would replace it, so nothing was written. Write the "
+        "checkpoint to a new path (or an empty directory), or move that one away."
+    )
 
 
 def _leftovers(final: str) -> list[str]:

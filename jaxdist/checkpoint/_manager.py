@@ -29,6 +29,7 @@ and save ``options``.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import threading
@@ -39,7 +40,14 @@ from typing import Any
 import numpy as np
 
 from jaxdist.checkpoint import _files
-from jaxdist.checkpoint._checkpoint import Checkpoint, Snapshot, set_save_counter, take_snapshot
+from jaxdist.checkpoint._checkpoint import (
+    META,
+    Checkpoint,
+    Snapshot,
+    set_save_counter,
+    take_snapshot,
+)
+from jaxdist.checkpoint._lock import DirectoryLock, describe, writer_identity
 
 __all__ = ["CheckpointManager"]
 
@@ -65,9 +73,13 @@ class CheckpointManager:
 
     A manager over a directory that already holds checkpoints (a restarted
     job) takes them over: `latest_checkpoint` is the newest, and the next
-    save deletes the oldest beyond ``max_to_keep``. Only one manager should
-    write into a directory at a time. In a job of several processes every
-    process makes the manager and calls `save` at the same step; process 0
+    save deletes the oldest beyond ``max_to_keep``. Directories named like its
+    entries that jaxdist did not write are refused (``FileExistsError``), never
+    replaced. One manager writes into a directory at a time: the first `save`
+    locks it until `close` (or the end of the process), and a second manager's
+    `save` raises ``RuntimeError`` naming the first's process and program. In
+    a job of several processes every process makes the manager and calls
+    `save` at the same step; process 0
     writes the files and renames and deletes the entries.
 
     With ``enable_async_checkpointing=True`` (orbax's option) `save` stalls the
@@ -146,6 +158,8 @@ class CheckpointManager:
         self._async = enable_async_checkpointing
         self._writer: threading.Thread | None = None
         self._failure: tuple[str, BaseException] | None = None
+        self._lock = DirectoryLock(self._directory)
+        self._identity: dict[str, Any] | None = None
         self._entries = self._recover()
 
     # State ------------------------------------------------------------------------------
@@ -154,11 +168,20 @@ class CheckpointManager:
         """The complete entries on disk, in the recorded order, then the unrecorded ones."""
         if not os.path.isdir(self._directory):
             return []
-        on_disk = {
+        named = [
             n
             for n in os.listdir(self._directory)
             if self._entry.match(n) and os.path.isdir(os.path.join(self._directory, n))
-        }
+        ]
+        on_disk = {n for n in named if os.path.exists(os.path.join(self._directory, n, META))}
+        foreign = sorted(set(named) - on_disk, key=lambda n: int(n.rsplit("-", 1)[1]))
+        if foreign:
+            raise FileExistsError(
+                f"jaxdist.checkpoint.CheckpointManager: {self._directory} holds "
+                f"{', '.join(foreign)}, named like this manager's checkpoints but not written "
+                f"by jaxdist (no {META} inside); a save would replace them. Move them out, or "
+                "give the manager another directory or checkpoint_name."
+            )
         recorded: list[str] = []
         state_file = os.path.join(self._directory, STATE)
         if os.path.exists(state_file):
@@ -180,8 +203,32 @@ class CheckpointManager:
         return kept + rest
 
     def _record(self) -> None:
-        body = {"format": _FORMAT, "version": 1, "checkpoints": list(self._entries)}
+        body = {
+            "format": _FORMAT,
+            "version": 1,
+            "checkpoints": list(self._entries),
+            "writer": self._identity,
+        }
         _files.write_json(os.path.join(self._directory, STATE), body)
+
+    def _take_lock(self) -> None:
+        """Makes this manager the directory's one writer (process 0, at the first save)."""
+        if not _files.is_primary() or self._lock.held:
+            return
+        if not self._lock.acquire():
+            writer = None
+            with contextlib.suppress(Exception):
+                body = _files.read_json("", os.path.join(self._directory, STATE), "")
+                writer = body.get("writer")
+            raise RuntimeError(
+                f"jaxdist.checkpoint.CheckpointManager.save: {self._directory} is locked by "
+                f"{describe(writer)}, which saves checkpoints there; two writers would delete "
+                "each other's checkpoints. Nothing was saved. Stop the other writer (or close "
+                "its manager: manager.close()), or give this one another directory."
+            )
+        if self._lock.held:
+            self._identity = writer_identity()
+            self._record()  # names this writer to a manager the lock refuses
 
     # Properties -------------------------------------------------------------------------
 
@@ -236,6 +283,7 @@ class CheckpointManager:
             The path of the new checkpoint.
         """
         self.wait_until_finished()
+        self._take_lock()
         ckpt = self._checkpoint
         counter = ckpt.save_counter + 1
         set_save_counter(ckpt, counter)
@@ -307,8 +355,13 @@ class CheckpointManager:
             ) from error
 
     def close(self) -> None:
-        """Waits for the save in flight, like `wait_until_finished` (orbax's name)."""
-        self.wait_until_finished()
+        """Waits for the save in flight, like `wait_until_finished` (orbax's name), and lets
+        go of the directory, which another manager may then write (a later `save` takes it
+        again)."""
+        try:
+            self.wait_until_finished()
+        finally:
+            self._lock.release()
 
     def restore_or_initialize(self) -> str | None:
         """Restores the latest checkpoint into the `Checkpoint`, or, when there is none,

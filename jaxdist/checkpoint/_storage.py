@@ -14,6 +14,7 @@ rules and for what the checksums cover.
 from __future__ import annotations
 
 import concurrent.futures
+import errno
 import hashlib
 import json
 import os
@@ -202,22 +203,54 @@ def write_saveable(path: str, saveable: Any) -> None:
     thread while training goes on (`CheckpointManager`'s asynchronous saves).
     """
     if _files.is_primary():
-        hashing = _Hashing(indexed("jaxdist.checkpoint.save", saveable))  # while orbax writes
         try:
-            ckpt = _writer()
-            try:
-                ckpt.save(path, saveable)
-            finally:
-                ckpt.close()
-        finally:
-            entries = hashing.result()
-        leaves = [{"path": list(p), **e} for p, e in entries.items()]
-        manifest = {"format": _FORMAT, "version": 1, "leaves": leaves}
-        tmp = os.path.join(path, f"{MANIFEST}.tmp")
-        with open(tmp, "w", encoding="utf-8") as f:
-            json.dump(manifest, f, indent=1)
-        os.replace(tmp, os.path.join(path, MANIFEST))
+            _write_primary(path, saveable)
+        except Exception as e:
+            _files.remove_tree(path)  # nothing half-written is left behind
+            if _out_of_space(e):
+                raise OSError(
+                    errno.ENOSPC,
+                    f"jaxdist.checkpoint: the disk holding {os.path.dirname(path)} is full "
+                    f"({type(e).__name__}: {str(e)[:300]}); the checkpoint was not written, "
+                    "and what was written of it is removed. The checkpoints saved before are "
+                    "intact. Free space (or keep fewer checkpoints: max_to_keep), then save "
+                    "again.",
+                ) from None
+            raise
     _files.barrier("arrays")  # the others find the directory and its manifest complete
+
+
+def _write_primary(path: str, saveable: Any) -> None:
+    hashing = _Hashing(indexed("jaxdist.checkpoint.save", saveable))  # while orbax writes
+    try:
+        ckpt = _writer()
+        try:
+            ckpt.save(path, saveable)
+        finally:
+            ckpt.close()
+    finally:
+        entries = hashing.result()
+    leaves = [{"path": list(p), **e} for p, e in entries.items()]
+    manifest = {"format": _FORMAT, "version": 1, "leaves": leaves}
+    tmp = os.path.join(path, f"{MANIFEST}.tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(manifest, f, indent=1)
+    os.replace(tmp, os.path.join(path, MANIFEST))
+
+
+def _out_of_space(error: BaseException) -> bool:
+    """Whether ``error`` (or an error it came from) says the disk or a quota is full: an
+    ``OSError`` of ENOSPC/EDQUOT, or tensorstore's RESOURCE_EXHAUSTED through orbax."""
+    seen: set[int] = set()
+    e: BaseException | None = error
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        if "RESOURCE_EXHAUSTED" in str(e) or "No space left on device" in str(e):
+            return True
+        e = e.__cause__ or e.__context__
+    return False
 
 
 def save(directory: str | os.PathLike[str], state: Any, *, allow_nonfinite: bool = False) -> None:

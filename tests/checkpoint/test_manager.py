@@ -230,6 +230,7 @@ def test_numbering_and_max_to_keep_follow_tf(tmp_path: Path) -> None:
     assert _names(manager.checkpoints) == ["ckpt-10", "ckpt-5"]
     assert _names([manager.latest_checkpoint or ""]) == ["ckpt-5"]
     # A new manager over the directory (a restarted job) takes over the same order.
+    manager.close()  # the first job ends: it lets go of the directory
     again = jd.checkpoint.CheckpointManager(ckpt, tmp_path, max_to_keep=2)
     assert again.checkpoints == manager.checkpoints
     ckpt.step = jnp.int32(0)
@@ -278,6 +279,7 @@ def test_unrecorded_complete_entries_are_taken_over(tmp_path: Path) -> None:
     # A save interrupted after its rename, before the record was updated:
     ckpt.write(tmp_path / "ckpt-7")
     (tmp_path / "ckpt-8.tmp").mkdir()  # and one interrupted before its rename
+    manager.close()
     again = jd.checkpoint.CheckpointManager(ckpt, tmp_path, max_to_keep=None)
     assert _names(again.checkpoints) == ["ckpt-1", "ckpt-7"]
     again.save(checkpoint_number=8)  # removes the leftover temporary directory

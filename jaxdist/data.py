@@ -38,6 +38,11 @@ class ArrayDataset:
         self._epoch = 0
         self.num_rows = self._leaves[0].shape[0]
 
+    @property
+    def leaves(self) -> list[np.ndarray]:
+        """The arrays the batches are sliced from (the leaves of ``data``, rows first)."""
+        return list(self._leaves)
+
     def __len__(self) -> int:
         if self.drop_remainder:
             return self.num_rows // self.batch_size

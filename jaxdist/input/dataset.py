@@ -49,7 +49,7 @@ from jaxdist.input.agreement import BLOCK, StepSync, agreed
 from jaxdist.input.batching import Batcher, HostBatch
 from jaxdist.input.group import PlacedGroup, stack_steps
 from jaxdist.input.host_pool import HostPool
-from jaxdist.input.position import Position, make_state, parse_state
+from jaxdist.input.position import Position, fingerprint, make_state, parse_state
 from jaxdist.input.prefetch import END, HOST_QUEUE, Failure, HostThread, Signal
 
 __all__ = ["DistributedDataset", "DistributedIterator", "OptionalValue"]
@@ -123,6 +123,7 @@ class DistributedIterator:
     ) -> None:
         self._lock = threading.Lock()  # consumers in several threads take turns
         self._producer = producer
+        self._prints: list[dict[str, Any]] | None = None  # the sources' fingerprints
         self._make_batcher = make_batcher
         self._threaded = threaded
         self._sync = sync
@@ -378,7 +379,14 @@ class DistributedIterator:
                 source_epochs=self._position.epochs,
                 rows_per_replica=batcher.b if known else None,
                 first_rows=batcher.first_rows if known else None,
+                sources=self._fingerprints(),
             )
+
+    def _fingerprints(self) -> list[dict[str, Any]]:
+        """The sources' fingerprints (`jaxdist.input.position.fingerprint`), taken once."""
+        if self._prints is None:
+            self._prints = [fingerprint(s) for s in self._producer.sources]
+        return self._prints
 
     def set_state(self, state: dict[str, Any]) -> None:
         """Moves the iterator to a position `get_state` returned (here or in an earlier
@@ -398,13 +406,19 @@ class DistributedIterator:
         the position cannot go back (``ValueError``). In a job of several
         processes every process moves its own iterator, at the same step.
 
+        The state carries a fingerprint of the sources and their options
+        (`jaxdist.input.position.fingerprint`: for `jaxdist.data.from_arrays`
+        its rows, batch size, shuffling, seed and a hash of rows spread over
+        it), and a state saved for other data is refused.
+
         Raises:
             ValueError: ``state`` is not such a state, was saved by another
-                process or for another kind of dataset, or lies behind a
-                one-shot source's current position.
+                process, for another kind of dataset or for other data or
+                options (the message names both), or lies behind a one-shot
+                source's current position.
         """
         where = "DistributedIterator.set_state"
-        resumed = parse_state(where, state, len(self._producer.sources))
+        resumed = parse_state(where, state, self._fingerprints())
         with self._lock:
             seekable, ahead = self._producer.seekable, self._returned <= resumed.batches
             if not seekable and not ahead and self._one_shot:

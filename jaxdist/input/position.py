@@ -22,15 +22,26 @@ the run that saved the state.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import itertools
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
+import numpy as np
 
 from jaxdist.data import ArrayDataset
 
-__all__ = ["Position", "Resumed", "make_state", "open_source", "parse_state", "seekable"]
+__all__ = [
+    "Position",
+    "Resumed",
+    "describe",
+    "fingerprint",
+    "make_state",
+    "open_source",
+    "parse_state",
+    "seekable",
+]
 
 FORMAT = "jaxdist.DistributedIterator"
 VERSION = 1
@@ -69,15 +80,68 @@ def open_source(
     return (itertools.islice(it, skip, None) if skip else it), None
 
 
+SAMPLE_ROWS = 64
+"""Rows of a `jaxdist.data.ArrayDataset` (spread over it) whose bytes its fingerprint hashes."""
+
+
+def fingerprint(source: Any) -> dict[str, Any]:
+    """What identifies ``source`` and its options in an iterator's state, so that a state is
+    not applied to an iterator over other data (another seed, other rows, no shuffling):
+    for `jaxdist.data.from_arrays`, its rows, leaves, batch size, shuffling and a hash of
+    `SAMPLE_ROWS` rows spread over it; for a list or tuple of batches, their count and a
+    hash of the first and last; for any other source, its type (it cannot be looked into
+    without reading it)."""
+    if isinstance(source, ArrayDataset):
+        leaves = source.leaves
+        rows = np.unique(np.linspace(0, max(source.num_rows - 1, 0), SAMPLE_ROWS).astype(int))
+        digest = hashlib.sha256()
+        for leaf in leaves:
+            digest.update(np.ascontiguousarray(leaf[rows] if leaf.shape[0] else leaf).tobytes())
+        return {
+            "kind": "arrays",
+            "rows": int(source.num_rows),
+            "leaves": [[list(leaf.shape[1:]), str(leaf.dtype)] for leaf in leaves],
+            "batch_size": int(source.batch_size),
+            "shuffle": bool(source.shuffle),
+            "seed": int(source.seed) if source.shuffle else None,
+            "drop_remainder": bool(source.drop_remainder),
+            "sample_sha256": digest.hexdigest()[:16],
+        }
+    if isinstance(source, (list, tuple)):
+        digest = hashlib.sha256()
+        for element in (source[:1], source[-1:]):
+            for leaf in jax.tree.leaves(element):
+                digest.update(np.ascontiguousarray(np.asarray(leaf)).tobytes())
+        return {"kind": "batches", "count": len(source), "sample_sha256": digest.hexdigest()[:16]}
+    return {"kind": type(source).__name__}
+
+
+def describe(print_: dict[str, Any]) -> str:
+    """A fingerprint in words."""
+    if print_.get("kind") == "arrays":
+        order = f"shuffled with seed {print_['seed']}" if print_["shuffle"] else "not shuffled"
+        return (
+            f"from_arrays({print_['rows']} rows of {print_['leaves']}, batch_size "
+            f"{print_['batch_size']}, {order}, drop_remainder={print_['drop_remainder']}, "
+            f"rows' hash {print_['sample_sha256']})"
+        )
+    if print_.get("kind") == "batches":
+        return f"a list of {print_['count']} batches (hash {print_['sample_sha256']})"
+    return f"a {print_.get('kind')} source"
+
+
 def make_state(
     epoch: int,
     batches: int,
     source_epochs: list[int | None] | None,
     rows_per_replica: int | None,
     first_rows: int | None,
+    sources: list[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
-    """The JSON-able state of an iterator (see the module docstring)."""
+    """The JSON-able state of an iterator (see the module docstring); ``sources``: the
+    sources' `fingerprint`s."""
     return {
+        "sources": sources,
         "format": FORMAT,
         "version": VERSION,
         "epoch": epoch,
@@ -113,14 +177,15 @@ def _count(where: str, state: dict[str, Any], key: str, *, optional: bool = Fals
     return value
 
 
-def parse_state(where: str, state: Any, sources: int) -> Resumed:
+def parse_state(where: str, state: Any, prints: list[dict[str, Any]]) -> Resumed:
     """Checks a state from `make_state` (possibly read back from JSON) against this process
-    and a producer of ``sources`` sources.
+    and a producer of sources with the `fingerprint`s ``prints``.
 
     Raises:
-        ValueError: not such a state, or one saved by another process or for another
-            number of sources.
+        ValueError: not such a state, or one saved by another process, for another
+            number of sources, or for other sources or options.
     """
+    sources = len(prints)
     if not isinstance(state, dict) or state.get("format") != FORMAT:
         raise ValueError(
             f"{where}: expected a state returned by DistributedIterator.get_state (a dict with "
@@ -150,6 +215,16 @@ def parse_state(where: str, state: Any, sources: int) -> Resumed:
                 f"{sources} source(s): the state belongs to a dataset built differently. "
                 "Restore into an iterator of the same kind of dataset over the same sources."
             )
+    saved = state.get("sources")
+    if saved is not None and saved != prints:  # None: a state from before fingerprints
+        mine = "; ".join(map(describe, prints))
+        theirs = "; ".join(map(describe, saved)) if isinstance(saved, list) else repr(saved)
+        raise ValueError(
+            f"{where}: the state was saved by an iterator over {theirs}, but this iterator "
+            f"reads {mine}; its position there would yield other batches. Restore into an "
+            "iterator over the same data with the same options (batch size, shuffling and "
+            "seed), or leave the iterator out of what you restore to start its data afresh."
+        )
     return Resumed(
         epoch=_count(where, state, "epoch"),
         batches=_count(where, state, "batches"),

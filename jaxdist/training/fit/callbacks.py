@@ -73,6 +73,14 @@ class FitLoop:
         self.nonfinite: str | None = None
         self.record = LoopRecord()  # what a Checkpoint callback records of the loop
 
+    @property
+    def where(self) -> str:
+        """Where training is, as every message of fit says it: ``"step 12, epoch 3 of 6"``
+        (epochs counted from 1, as the progress bar does; "of N" when ``epochs`` bounds
+        the run)."""
+        of = f" of {self.epochs}" if self.epochs is not None else ""
+        return f"step {self.step}, epoch {self.epoch + 1}{of}"
+
     def __repr__(self) -> str:
         return f"FitLoop(epoch={self.epoch}, step={self.step}, stop_training={self.stop_training})"
 
@@ -290,7 +298,7 @@ class TerminateOnNaN(Callback):
             return
         loop = self.loop
         self.stopped_step, self.stopped_epoch = step, loop.epoch
-        loop.nonfinite = f"{self.monitor} {value} at step {step} (epoch {loop.epoch})"
+        loop.nonfinite = f"{self.monitor} {value} at {loop.where}"
         loop.stop_training = True
         print(
             f"jaxdist.training.TerminateOnNaN: {loop.nonfinite}; training stops here, and "

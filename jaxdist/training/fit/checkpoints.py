@@ -287,7 +287,7 @@ class Checkpoint(Callback):
             refuse_nonfinite(
                 "jaxdist.training.Checkpoint",
                 {name: _arrays_of(item) for name, item in items.items()},
-                f"the state after step {loop.step} (epoch {loop.epoch})",
+                f"the state after {loop.where}",
             )
         items[DATA] = Frozen(record.data)
         items[LOOP] = Frozen(record.state(loop.step, loop.epoch, loop.at_epoch_end))

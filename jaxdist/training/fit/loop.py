@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 import signal
 import sys
 import time
@@ -207,6 +208,7 @@ class Runner:
             _at_position(it, resumed.data, next_epoch=True)
             _close(it)
             loop.epoch += 1
+            self._say_resumed(resumed)
             return
         if saved["epoch_ended"] and resumed.data is not None:
             # The epoch was cut short (steps=, stop_training) and logged; it goes on from
@@ -222,6 +224,14 @@ class Runner:
                     values.pop()
             history.history = {k: v for k, v in history.history.items() if v}
         self.resumed = resumed
+        self._say_resumed(resumed)
+
+    def _say_resumed(self, resumed: Resumed) -> None:
+        """Tells the user what ``fit(resume=True)`` resumed (process 0)."""
+        if jax.process_index() == 0:
+            name = os.path.basename(resumed.path)
+            print(f"{_WHERE}: resumed from {name} ({self.loop.where})", file=self.display.stream,
+                  flush=True)  # fmt: skip
 
     def set_epoch(self, epoch: int) -> None:
         set_epoch = getattr(self.source, "set_epoch", None)
@@ -260,7 +270,7 @@ class Runner:
             rows_before = mean.rows
             if batch is _END:
                 raise ValueError(
-                    f"{_WHERE}: the data yielded no batches in epoch {loop.epoch}. An iterator "
+                    f"{_WHERE}: the data yielded no batches in epoch {loop.epoch + 1}. An iterator "
                     "(a generator, a DistributedIterator) gives a single epoch: pass a "
                     "re-iterable dataset (jd.data.from_arrays(...), jd.data.from_generator(fn), "
                     "a list of batches) or bound training with steps=."
@@ -354,7 +364,7 @@ class Runner:
                 self.preempted(state)
             how = "Ctrl-C" if interrupts.interrupted else "a KeyboardInterrupt"
             raise FitInterrupted(
-                f"{_WHERE}: stopped by {how} after step {loop.step} (epoch {loop.epoch}); the "
+                f"{_WHERE}: stopped by {how} after {loop.where}; the "
                 "state is that of the last completed step (functional state: .state of this "
                 "exception).",
                 self.history,
@@ -368,7 +378,7 @@ class Runner:
         loop = self.loop
         saved = any(isinstance(cb, Checkpoint) for cb in self.callbacks)
         message = (
-            f"{_WHERE}: SIGTERM: stopped after step {loop.step} (epoch {loop.epoch}); "
+            f"{_WHERE}: SIGTERM: stopped after {loop.where}; "
             + (
                 "the checkpoint callback saved this step"
                 if saved

@@ -16,6 +16,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import re
 import shutil
 import signal
 import textwrap
@@ -235,7 +236,7 @@ def test_ctrl_c_then_resume_equals_the_uninterrupted_run(
         return jd.training.Checkpoint(tmp_path, every_n_steps=3, every_epoch=False)
 
     state = setup.state()
-    with pytest.raises(jd.training.FitInterrupted, match=rf"after step {stop_at} ") as e:
+    with pytest.raises(jd.training.FitInterrupted, match=rf"after step {stop_at}, ") as e:
         setup.fit(state, [checkpoint(), _SignalAt(stop_at)])
     assert e.value.history.step == stop_at
     expected = ["ckpt-12", "ckpt-6", "ckpt-9"] if stop_at == 12 else ["ckpt-11", "ckpt-6", "ckpt-9"]
@@ -251,7 +252,7 @@ def test_ctrl_c_then_resume_equals_the_uninterrupted_run(
 
 @pytest.mark.timeout(300)
 def test_ctrl_c_inside_an_epochs_last_step_then_resume(
-    tmp_path: Path, mirrored8: jd.MirroredStrategy
+    tmp_path: Path, mirrored8: jd.MirroredStrategy, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """Ctrl-C while step 12 (the epoch's last) runs: fit stops after it without looking for
     a next batch, so the checkpoint does not know the epoch's data is done; resuming finds
@@ -266,12 +267,16 @@ def test_ctrl_c_inside_an_epochs_last_step_then_resume(
             signal.raise_signal(signal.SIGINT)  # handled at once: Ctrl-C during the step
         return setup.step(*args)
 
-    with pytest.raises(jd.training.FitInterrupted, match=r"after step 12 \(epoch 2\)"):
+    with pytest.raises(jd.training.FitInterrupted, match=r"after step 12, epoch 3 of \d+;"):
         setup.fit(setup.state(), [jd.training.Checkpoint(tmp_path, every_epoch=False)], step)
     assert _names(tmp_path) == ["ckpt-12"]
+    capsys.readouterr()
     arrays, history = setup.fit(
         setup.state(), [jd.training.Checkpoint(tmp_path, every_epoch=False)], resume=True
     )
+    # Before: fit said nothing about what it resumed. Epochs are counted from 1, as the
+    # interruption message and the progress bar count them.
+    assert "jaxdist.fit: resumed from ckpt-12 (step 12, epoch 3 of 8)" in capsys.readouterr().out
     _same_arrays(arrays, ref_arrays)
     _same_history(history, ref_history)
 
@@ -391,7 +396,9 @@ def test_sigterm_saves_the_step_chains_the_previous_handler_and_exits_42(
     finally:
         signal.signal(signal.SIGTERM, before)
     assert isinstance(e.value, jd.training.FitPreempted) and e.value.code == 42
-    assert "SIGTERM: stopped after step 7 (epoch 1); the checkpoint callback saved" in str(e.value)
+    assert re.search(
+        r"SIGTERM: stopped after step 7, epoch 2 of \d+; the checkpoint callback", str(e.value)
+    )
     assert int(e.value.state.step) == 7 and e.value.history.epochs == [0]
     assert calls == [(signal.SIGTERM, ["ckpt-4", "ckpt-7"])]  # called once, after the save
     arrays, history = setup.fit(
@@ -499,7 +506,7 @@ def test_a_process_sent_sigterm_exits_42_and_its_restart_resumes_exactly(
     first = start_python(_PROGRAM, str(directory), str(tmp_path / "first.npz"), "resume")
     out, err = sigterm_at(first, "step 7", 240)
     assert first.returncode == 42, err[-3000:]
-    stopped = int(err.split("SIGTERM: stopped after step ")[1].split()[0])
+    stopped = int(err.split("SIGTERM: stopped after step ")[1].split(",")[0])
     assert 7 <= stopped < STEPS and f"ckpt-{stopped}" in _names(directory)
     assert not (tmp_path / "first.npz").exists()  # it never reached the end
 

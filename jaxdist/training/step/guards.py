@@ -186,6 +186,11 @@ class StateGuard:
 # Arguments and outputs ------------------------------------------------------------------
 
 
+_CONTEXT_NAMES = frozenset({"ctx", "context", "replica_context", "replica_ctx", "rctx"})
+"""First-parameter names that say a step function takes the replica context: a call that
+does not fit such a function has wrong arguments, not a missing context."""
+
+
 def check_call(
     fn: Callable[..., Any], where: str, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> None:
@@ -200,7 +205,10 @@ def check_call(
             sig.bind(None, *args, **kwargs)
         except TypeError as e:
             name = getattr(fn, "__name__", "fn")
+            first = next(iter(sig.parameters), "")
             try:
+                if first in _CONTEXT_NAMES:  # it takes the context: the call is what is wrong
+                    raise TypeError(str(e))
                 sig.bind(*args, **kwargs)
             except TypeError:
                 raise TypeError(

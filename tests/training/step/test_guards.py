@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import re
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -392,3 +393,28 @@ def test_nnx_object_placed_by_another_strategy_is_refused_with_the_way_to_move_i
     out = step_b(model, jd.PerReplica(x[:2]))
     np.testing.assert_allclose(out, np.sum(np.asarray(ref(x[:2].reshape(4, 3)))), rtol=1e-5)
     assert model.kernel.get_raw_value().sharding.device_set == set(jax.devices()[:2])
+
+
+def test_a_step_called_with_an_extra_argument_is_told_so_not_to_take_the_context() -> None:
+    strategy = jd.MirroredStrategy()
+    with strategy.scope():
+        state = jd.TrainState.create(apply_fn=None, params={"w": jnp.zeros(2)}, tx=optax.sgd(0.1))
+
+    @jd.train_step(strategy)
+    def train(ctx: Any, state: Any, batch: Any) -> Any:
+        return state
+
+    # Before: "does not take the replica context; write it as def train(ctx, ctx, ...)".
+    with pytest.raises(
+        TypeError,
+        match=r"train_step\(train\): cannot call .*train .* as train\(ctx, <3 positional "
+        r"argument\(s\)>\): too many positional arguments\. A train step is called with",
+    ):
+        train(state, np.zeros((8, 2), np.float32), np.zeros(8, np.float32))
+
+    @jd.train_step(strategy)
+    def no_context(state: Any, batch: Any) -> Any:
+        return state
+
+    with pytest.raises(TypeError, match=r"does not take the replica context.*def no_context\(ctx"):
+        no_context(state, np.zeros((8, 2), np.float32))

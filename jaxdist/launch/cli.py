@@ -30,6 +30,8 @@ Options:
                              so every S s (default: the strategy's, 60 s; 0: never)
 ``--coordinator-port PORT``  pin the coordinator port (alias ``--master-port``)
 ``--no-prefix``              do not prefix output lines with ``[i] ``
+``--show-gloo``              show the CPU collectives' (Gloo's) connection lines,
+                             left out by default
 ``-m``                       the program is a module name, as in ``python -m``
 ===========================  =====================================================
 
@@ -81,7 +83,10 @@ checkpoint, restart me", as in TF; it is what
 When the first failure of a start is that code, ``--max-restarts K`` (K >= 1)
 restarts the group without counting it against K, as often as it happens
 (``--count-preemptions`` counts it like any failure); the message reads
-``process 1 exited with code 42 (first failure: preempted); ...`` and then
+``process 1 exited with code 42 (first failure: preempted); process 0 got the
+termination notice; ...`` (the process whose handler wrote that it got the
+notice, before the launcher signalled any; the first to exit may be another)
+and then
 ``restarting all 2 processes (after preemption 1, not counted against
 --max-restarts 1, ...)``. ``JAXDIST_RESTART_COUNT`` counts every restart.
 The handler restores the latest checkpoint when it is created, so the
@@ -148,6 +153,7 @@ from jaxdist.launch.config import (
     ENV_RESTART_COUNT,
     ENV_WATCHDOG_LOG_INTERVAL,
     LOOPBACK,
+    NOTICE,
     PREEMPTED_EXIT_CODE,
     LaunchConfig,
     child_environment,
@@ -227,6 +233,7 @@ class _Round:
     running: tuple[int, ...] = ()  # the processes still running at the first failure
     at: float = 0.0  # when the first failure was seen (time.monotonic())
     reports: dict[int, _Report] = dataclasses.field(default_factory=dict)  # by process
+    noticed: tuple[int, ...] = ()  # the processes whose handler got a termination notice
 
 
 class _Job:
@@ -236,6 +243,8 @@ class _Job:
         self._config, self._output, self._trap = config, output, trap
         self._parent = os.getpid()
         self._reports: dict[int, _Report] = {}  # of the current start, by process
+        self._noticed: list[int] = []  # processes whose handler got a notice, in order
+        self._signalled = False
         interval = config.watchdog_log_interval
         if interval is None:
             try:
@@ -246,7 +255,10 @@ class _Job:
         self._fresh = 2 * (interval or _LOG_INTERVAL) + 5
 
     def _note(self, rank: int, line: str) -> None:
-        """Keeps what a watchdog line of process ``rank`` says (its stderr, as copied)."""
+        """Keeps what a watchdog line of process ``rank`` says (its stderr, as copied), and
+        that its preemption handler got a termination notice."""
+        if NOTICE.search(line) and rank not in self._noticed and not self._signalled:
+            self._noticed.append(rank)
         report = watchdog_report(line)
         if report is not None:
             self._reports[rank] = _Report(time.monotonic(), *report)
@@ -263,8 +275,11 @@ class _Job:
             if own.late:
                 first += f", {_ids(own.late)} did not arrive"
         others = len(result.running)
+        ended = f"process {rank} {describe(returncode)} ({first})"
+        if preempted and result.noticed:  # the one that exited first need not be the one told
+            ended += f"; {_ids(result.noticed)} got the termination notice"
         if not others:
-            return f"process {rank} {describe(returncode)} ({first}); no other process was running."
+            return f"{ended}; no other process was running."
         waiting = []
         for i in result.running:
             report = result.reports.get(i)
@@ -275,7 +290,7 @@ class _Job:
         stopped = f"stopped the other {_processes(others)}"
         if waiting:
             stopped += " (" + "; ".join(waiting) + ")"
-        return f"process {rank} {describe(returncode)} ({first}); {stopped}."
+        return f"{ended}; {stopped}."
 
     def run(self) -> int:
         config, say = self._config, self._output.message
@@ -339,7 +354,8 @@ class _Job:
     def _run_round(self, envs: list[dict[str, str]]) -> _Round:
         config, output, say = self._config, self._output, self._output.message
         procs: list[subprocess.Popen[bytes]] = []
-        self._reports = {}
+        self._reports, self._noticed = {}, []
+        self._signalled = False  # the launcher signalled the processes (notices are its own)
         try:
             for i, env in enumerate(envs):
                 proc = self._start(env)
@@ -365,6 +381,7 @@ class _Job:
                 name = signal.Signals(sig).name
                 if result.signal is None and stop_at is None:
                     result.signal, stop_at = sig, time.monotonic()
+                    self._signalled = True
                     signal_groups(groups, sig)
                     n = _processes(len(running))
                     say(f"received {name}; forwarded it to {n} (send it again to kill them).")
@@ -378,6 +395,7 @@ class _Job:
                 result.failure = (first, codes[first] or 0)
                 stop_at = time.monotonic()
                 result.running, result.at = tuple(running), stop_at
+                self._signalled = True
                 signal_groups(groups, signal.SIGTERM)
             if not running:
                 result.preempted = all(code == PREEMPTED_EXIT_CODE for code in codes)
@@ -396,6 +414,7 @@ class _Job:
                 )
         self._finish(procs)
         result.reports = dict(self._reports)  # with the processes' last lines
+        result.noticed = tuple(self._noticed)
         return result
 
     def _finish(self, procs: list[subprocess.Popen[bytes]]) -> None:
@@ -448,7 +467,7 @@ def launch(
             f"launch: the script {config.program!r} does not exist (relative to {os.getcwd()!r}); "
             "pass an existing script path, or module=True (-m) to run a module."
         )
-    output = Output(stdout or sys.stdout, stderr or sys.stderr)
+    output = Output(stdout or sys.stdout, stderr or sys.stderr, gloo=config.show_gloo)
     trap = SignalTrap()
     with trap.installed():
         return _Job(config, output, trap).run()
@@ -493,6 +512,8 @@ def _parser(prog: str) -> argparse.ArgumentParser:
     add("--coordinator-port", "--master-port", type=int, metavar="PORT",
         help="coordinator port on 127.0.0.1 (default: a free one)")  # fmt: skip
     add("--no-prefix", action="store_true", help="do not prefix output lines with '[i] '")
+    add("--show-gloo", action="store_true",
+        help="show the CPU collectives' '[Gloo] Rank N is connected...' lines")  # fmt: skip
     add("-m", "--module", action="store_true", help="run the program as a module (python -m)")
     add("program", help="the script to run (a module name with -m)")
     add("args", nargs=argparse.REMAINDER, help="the program's arguments")
@@ -526,6 +547,7 @@ def _parse(argv: list[str], prog: str) -> LaunchConfig:
             prefix=not ns.no_prefix,
             collective_timeout=ns.collective_timeout,
             watchdog_log_interval=ns.watchdog_log_interval,
+            show_gloo=ns.show_gloo,
         )
         child_environment(config, 0, 1)  # e.g. too few GPUs listed: fail before starting
     except ValueError as exc:
@@ -572,4 +594,3 @@ def main(argv: Sequence[str] | None = None) -> int:
     except _StartError as exc:
         Output(sys.stdout, sys.stderr).message(f"{exc}.")
         return 1
-

@@ -76,6 +76,9 @@ class LaunchConfig:
         watchdog_log_interval: seconds between the lines a process of a
             `MultiWorkerMirroredStrategy` job prints while a step waits (``None``:
             the strategy's default, 60 s; ``0``: no lines).
+        show_gloo: copy the CPU collectives' (Gloo's) connection lines, one per
+            process per start ("[Gloo] Rank N is connected to M peer ranks"),
+            which are left out by default.
 
     Example:
         >>> from jaxdist.launch import LaunchConfig
@@ -100,6 +103,7 @@ class LaunchConfig:
     prefix: bool = True
     collective_timeout: float | None = None
     watchdog_log_interval: float | None = None
+    show_gloo: bool = False
 
     def __post_init__(self) -> None:
         port, inf = self.coordinator_port, float("inf")
@@ -250,6 +254,13 @@ _ENDED = re.compile(
     r"(?:process(?:es)? (.*) did not arrive|every process arrived)"
 )
 _LATE = re.compile(r"(\d+) \(its last step")
+
+
+NOTICE = re.compile(
+    r"jaxdist: PreemptionCheckpointHandler \(process \d+\): termination notice received"
+)
+"""The line a process's preemption handler writes when the process gets a termination notice
+(SIGTERM, or its watcher function): the launcher names the process that got it."""
 
 
 def watchdog_report(line: str) -> tuple[str, int, tuple[int, ...]] | None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import selectors
 import time
 from collections.abc import Callable
@@ -13,6 +14,17 @@ from typing import IO, TextIO
 NAME = "jaxdist.launch"
 POLL_INTERVAL = 0.05  # seconds between checks of the processes while copying their output
 _MAX_LINE = 1 << 16  # a longer line without a newline is copied in pieces
+GLOO_LINE = re.compile(
+    rb"\[Gloo\] Rank \d+ is connected to \d+ peer ranks\."
+    rb"(?: Expected number of connected peer ranks is : \d+)?\n?"
+)
+"""The line Gloo (XLA's CPU collectives) prints for every device at every start; its C++
+threads write it in pieces, between the bytes of other lines and of each other."""
+GLOO_PIECE = re.compile(
+    rb"\[Gloo\] Rank |\d+ is connected to \d+ peer ranks\.|"
+    rb" Expected number of connected peer ranks is : \d+"
+)
+"""A piece of `GLOO_LINE` as its threads write them; a line left empty without them goes."""
 
 
 @dataclasses.dataclass
@@ -30,11 +42,14 @@ class Output:
     """Copies the processes' output to the launcher's streams, whole lines at a time.
 
     Everything runs in the launcher's main thread (a selector, no reader threads), so
-    lines can never mix; a line longer than 64 KiB without a newline is cut.
+    lines can never mix; a line longer than 64 KiB without a newline is cut. Gloo's
+    connection lines (`GLOO_LINE`) are left out unless ``gloo``, also where they split
+    another line.
     """
 
-    def __init__(self, stdout: TextIO, stderr: TextIO) -> None:
+    def __init__(self, stdout: TextIO, stderr: TextIO, *, gloo: bool = False) -> None:
         self.stdout, self.stderr = stdout, stderr
+        self.gloo = gloo  # copy Gloo's connection lines (left out by default)
         self._broken: set[int] = set()  # ids of streams whose reader went away
         self._selector = selectors.DefaultSelector()
 
@@ -79,6 +94,8 @@ class Output:
                 self._close(p)
                 continue
             data = p.pending + chunk
+            if not self.gloo and b"[Gloo]" in data:
+                data = GLOO_LINE.sub(b"", data)
             cut = data.rfind(b"\n") + 1 or (len(data) if len(data) >= _MAX_LINE else 0)
             p.pending = data[cut:]
             self._emit(p, data[:cut])
@@ -94,6 +111,14 @@ class Output:
     def _emit(self, p: _Pipe, data: bytes) -> None:
         if data:
             lines = data.removesuffix(b"\n").split(b"\n")
+            if not self.gloo and b"peer ranks" in data:
+                lines = [
+                    kept
+                    for line in lines
+                    if (kept := GLOO_PIECE.sub(b"", line)).strip() or kept == line
+                ]
+                if not lines:
+                    return
             self.write(p.sink, b"".join(p.prefix + line + b"\n" for line in lines))
             if p.watch is not None:
                 for line in lines:

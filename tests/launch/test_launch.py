@@ -524,6 +524,59 @@ def test_output_cuts_lines_longer_than_64_kib() -> None:
     assert err.getvalue() == ""
 
 
+_GLOO = (
+    b"[Gloo] Rank 3 is connected to 7 peer ranks. Expected number of connected peer ranks is : 7\n"
+)
+
+
+@pytest.mark.parametrize("shown", [False, True])
+def test_gloo_connection_lines_are_left_out_unless_asked_for(shown: bool) -> None:
+    # Before: eight such lines per start, some cutting another line in two.
+    out, err = io.StringIO(), io.StringIO()
+    output = Output(out, err, gloo=shown)
+    read, write = os.pipe()
+    output.add(os.fdopen(read, "rb"), err, b"[3] ")
+    pieces = [b"starting\n", _GLOO, b"loss 0.5", _GLOO[:20], _GLOO[20:], b"23\n", b"done\n"]
+
+    def writer() -> None:
+        with os.fdopen(write, "wb", buffering=0) as f:
+            for piece in pieces:
+                f.write(piece)
+                time.sleep(0.02)  # separate reads, so a Gloo line arrives in two
+
+    thread = threading.Thread(target=writer)
+    thread.start()
+    output.drain(timeout=10)
+    thread.join()
+    if shown:
+        gloo = _GLOO.decode()
+        assert err.getvalue() == f"[3] starting\n[3] {gloo}[3] loss 0.5{gloo}[3] 23\n[3] done\n"
+    else:  # cut out, and the line it split is whole again
+        assert err.getvalue() == "[3] starting\n[3] loss 0.523\n[3] done\n"
+    assert out.getvalue() == ""
+
+
+def test_gloo_lines_written_in_pieces_by_several_threads_are_left_out() -> None:
+    out, err = io.StringIO(), io.StringIO()
+    output = Output(out, err)
+    read, write = os.pipe()
+    output.add(os.fdopen(read, "rb"), err, b"[1] ")
+    data = (  # as seen from a 4-device process: its threads' pieces, mixed
+        b"START 1\n Expected number of connected peer ranks is : 7\n[Gloo] Rank  Expected number "
+        b"of connected peer ranks is : 7\n6 is connected to 7 peer ranks. Expected number of "
+        b"connected peer ranks is : 7\n\nR 64.0\n"
+    )
+    with os.fdopen(write, "wb") as f:
+        f.write(data)
+    output.drain(timeout=10)
+    assert err.getvalue() == "[1] START 1\n[1] \n[1] R 64.0\n"  # the program's empty line stays
+
+
+def test_the_launcher_takes_show_gloo() -> None:
+    assert launch_module._parse(["--show-gloo", str(CHILD)], "launch").show_gloo
+    assert not launch_module._parse([str(CHILD)], "launch").show_gloo
+
+
 @pytest.mark.timeout(60)
 def test_launch_api_in_process(capfd: pytest.CaptureFixture[str]) -> None:
     handler = signal.getsignal(signal.SIGINT)

@@ -92,6 +92,10 @@ WATCH_INTERVAL_S = 0.5
 """How often the watcher thread calls ``termination_watcher_fn`` (at least once a second)."""
 
 _WHERE = "jaxdist.experimental.PreemptionCheckpointHandler"
+_NAME = "PreemptionCheckpointHandler"
+NOTICE_TEXT = "termination notice received"
+"""What the handler writes to stderr when its process gets a notice (the launcher's
+`jaxdist.launch.config.NOTICE` finds it: keep the two equal)."""
 
 
 class PreemptionCheckpointHandler:
@@ -284,10 +288,18 @@ class PreemptionCheckpointHandler:
 
     # Watching ----------------------------------------------------------------------------
 
-    def _notice(self) -> None:
+    def _notice(self, source: str) -> None:
         """A termination notice for this process (from SIGTERM or the watcher)."""
         if self._notice_time is None:
             self._notice_time = time.monotonic()
+            if not self._countdown:
+                # Written straight to the file descriptor: this runs in a signal handler,
+                # which may interrupt a print in progress. The launcher reads it to say
+                # which process was preempted.
+                with contextlib.suppress(OSError):
+                    os.write(2, f"jaxdist: {_NAME} (process {self._me}): {NOTICE_TEXT} "
+                                f"({source}); saving at the start of the run() call every "
+                                "process agrees on.\n".encode())  # fmt: skip
             if self._countdown and self._deadline is None:
                 self._deadline = self._notice_time + self._grace_period - self._margin
         self._noticed = True
@@ -303,7 +315,7 @@ class PreemptionCheckpointHandler:
         previous = signal.getsignal(signal.SIGTERM)
 
         def on_sigterm(signum: int, frame: FrameType | None) -> None:
-            self._notice()
+            self._notice("SIGTERM")
             if callable(previous):
                 previous(signum, frame)
 
@@ -328,7 +340,7 @@ class PreemptionCheckpointHandler:
                     handler._watcher_error = error
                     return
                 if fired:
-                    handler._notice()
+                    handler._notice("termination_watcher_fn")
                     return
                 del handler
                 stop.wait(WATCH_INTERVAL_S)
@@ -545,8 +557,7 @@ _REBIND = (
 
 
 def _say(process: int, message: str) -> None:
-    print(f"jaxdist: PreemptionCheckpointHandler (process {process}): {message}", file=sys.stderr,
-          flush=True)  # fmt: skip
+    print(f"jaxdist: {_NAME} (process {process}): {message}", file=sys.stderr, flush=True)
 
 
 def _steps_of(fn: Any) -> int:

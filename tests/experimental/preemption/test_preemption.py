@@ -527,7 +527,11 @@ def _preempted_twice(job: _Job, nprocs: int, rng: random.Random) -> list[dict[st
         os.kill(pids[victim], signal.SIGTERM)
         killed_at = time.monotonic()
         saved_at, m = job.wait_for(r"saved .*ckpt-(\d+) after run\(\) call (\d+); calling exit")
-        exited_at, _ = job.wait_for(r"^jaxdist.launch: process \d exited with code 42 \(first")
+        exited_at, ended = job.wait_for(
+            r"^jaxdist.launch: process \d exited with code 42 \(first.*"
+        )
+        # Whichever process exits first, the launcher names the one that got the notice.
+        assert f"; process {victim} got the termination notice;" in ended[0], ended[0]
         resumed = int(m[2])
         assert at_step <= resumed <= at_step + 25, (at_step, resumed)  # soon after the notice
         events.append({

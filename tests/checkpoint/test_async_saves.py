@@ -6,8 +6,10 @@ checkpoint, and a job of two processes saves in the background while its steps r
 from __future__ import annotations
 
 import os
+import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -15,6 +17,7 @@ import numpy as np
 import pytest
 
 import jaxdist as jd
+from jaxdist.checkpoint import _files, _storage
 
 from _helpers import assert_restores_the_first_save, kill_mid_save, run_workers, worker_script
 
@@ -84,12 +87,42 @@ def test_async_save_returns_before_the_write_and_restores_bitwise(tmp_path: Path
 
 
 @pytest.mark.timeout(120)
-def test_an_entry_is_listed_only_when_complete(tmp_path: Path) -> None:
+def test_an_entry_is_listed_only_when_complete(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     ckpt = jd.checkpoint.Checkpoint(w=jnp.arange(4_000_000.0), step=jnp.int32(0))
     manager = jd.checkpoint.CheckpointManager(
         ckpt, tmp_path, max_to_keep=2, enable_async_checkpointing=True
     )
-    seen_incomplete = []
+    seen_incomplete: list[list[str]] = []
+    looks = [0]
+
+    def look() -> None:  # every entry under its final name is complete, at every stage
+        looks[0] += 1
+        for entry in tmp_path.glob("ckpt-*"):
+            if entry.is_dir() and not entry.name.endswith((".tmp", ".deleted")):
+                names = set(os.listdir(entry))
+                if not {jd.checkpoint.MANIFEST, _META} <= names:
+                    seen_incomplete.append(sorted(names))
+
+    # Look before and after each stage of a write (the polling below may miss a short
+    # window; these cannot): the arrays, the JSON files, the flush and the rename.
+    for module, name in [
+        (_storage, "write_saveable"),
+        (_files, "write_json"),
+        (_files, "fsync_tree"),
+        (_files, "publish"),
+    ]:
+        real = getattr(module, name)
+
+        def staged(*args: Any, _real: Any = real, **kwargs: Any) -> Any:
+            look()
+            try:
+                return _real(*args, **kwargs)
+            finally:
+                look()
+
+        monkeypatch.setattr(module, name, staged)
     for step in range(1, 4):
         ckpt.step = jnp.int32(step)
         path = Path(manager.save())
@@ -99,7 +132,7 @@ def test_an_entry_is_listed_only_when_complete(tmp_path: Path) -> None:
                 seen_incomplete.append(sorted(os.listdir(path)))
             time.sleep(0.001)
         assert manager.latest_checkpoint == str(path)  # waits for the write
-    assert not seen_incomplete
+    assert not seen_incomplete and looks[0] >= 3 * 8  # 3 saves, 4 stages, before and after
     assert _names(manager.checkpoints) == ["ckpt-2", "ckpt-3"]  # max_to_keep, as in TF
     assert sorted(os.listdir(tmp_path)) == ["ckpt-2", "ckpt-3", "jaxdist_checkpoints.json"]
     ckpt.step = jnp.int32(0)
@@ -108,6 +141,31 @@ def test_an_entry_is_listed_only_when_complete(tmp_path: Path) -> None:
     # A new manager over the directory (a restarted job) takes the entries over.
     again = jd.checkpoint.CheckpointManager(ckpt, tmp_path, enable_async_checkpointing=True)
     assert _names(again.checkpoints) == ["ckpt-2", "ckpt-3"]
+
+
+def test_latest_checkpoint_waits_for_the_save_in_flight(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A planted bug (no wait in latest_checkpoint) was caught only by a slow two-process test.
+    ckpt = jd.checkpoint.Checkpoint(w=jnp.arange(3.0))
+    manager = jd.checkpoint.CheckpointManager(ckpt, tmp_path, enable_async_checkpointing=True)
+    release = threading.Event()
+    real = _storage.write_saveable
+
+    def held(*args: Any, **kwargs: Any) -> None:
+        release.wait(30)
+        real(*args, **kwargs)
+
+    monkeypatch.setattr(_storage, "write_saveable", held)
+    path = manager.save()
+    answers: list[str | None] = []
+    reader = threading.Thread(target=lambda: answers.append(manager.latest_checkpoint))
+    reader.start()
+    reader.join(0.5)
+    assert reader.is_alive() and not answers  # it waits while the write is held
+    release.set()
+    reader.join(30)
+    assert answers == [path] and (Path(path) / _META).exists()
 
 
 def test_a_failed_background_write_is_raised_by_the_next_call(tmp_path: Path) -> None:

@@ -272,6 +272,23 @@ def test_restore_or_initialize_calls_init_fn_without_a_checkpoint(tmp_path: Path
     assert manager.restore_or_initialize() == str(tmp_path / "new" / "ckpt-1") and calls == [1]
 
 
+def test_without_its_record_the_entries_are_ordered_by_number_not_as_strings(
+    tmp_path: Path,
+) -> None:
+    # A planted bug sorted them as strings: ckpt-9 "newer" than ckpt-10.
+    ckpt = jd.checkpoint.Checkpoint(x=jnp.zeros(1))
+    manager = jd.checkpoint.CheckpointManager(ckpt, tmp_path, max_to_keep=None)
+    for number in (2, 9, 10, 11):
+        ckpt.x = jnp.full(1, float(number))
+        manager.save(checkpoint_number=number)
+    manager.close()
+    (tmp_path / "jaxdist_checkpoints.json").unlink()  # the record is lost
+    again = jd.checkpoint.CheckpointManager(ckpt, tmp_path, max_to_keep=None)
+    assert _names(again.checkpoints) == ["ckpt-2", "ckpt-9", "ckpt-10", "ckpt-11"]
+    again.restore_or_initialize()
+    assert float(ckpt.x[0]) == 11.0
+
+
 def test_unrecorded_complete_entries_are_taken_over(tmp_path: Path) -> None:
     ckpt = jd.checkpoint.Checkpoint(x=jnp.zeros(1))
     manager = jd.checkpoint.CheckpointManager(ckpt, tmp_path, max_to_keep=None)

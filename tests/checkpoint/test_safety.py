@@ -176,3 +176,42 @@ def test_a_full_disk_says_so_and_leaves_nothing_behind(
     fresh.restore(manager.latest_checkpoint)
     np.testing.assert_array_equal(np.asarray(fresh.w), np.arange(4.0))
     assert manager.save().endswith("ckpt-3")
+
+
+def test_every_file_is_flushed_before_the_rename_that_publishes_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A planted bug skipped the flush: after a power loss the renamed entry could hold
+    # empty files under a complete-looking name.
+    flushed: set[str] = set()
+    published: list[tuple[str, set[str]]] = []
+    real_fsync, real_rename = os.fsync, os.rename
+    opened: dict[int, str] = {}
+    real_open = os.open
+
+    def tracking_open(path: Any, *args: Any, **kwargs: Any) -> int:
+        fd = real_open(path, *args, **kwargs)
+        opened[fd] = os.fspath(path)
+        return fd
+
+    def tracking_fsync(fd: int) -> None:
+        real_fsync(fd)
+        if fd in opened:
+            flushed.add(os.path.realpath(opened[fd]))
+
+    def tracking_rename(src: Any, dst: Any) -> None:
+        src = os.fspath(src)
+        if src.endswith(".tmp") and os.path.isdir(src):
+            files = {os.path.realpath(os.path.join(h, n)) for h, _, ns in os.walk(src) for n in ns}
+            published.append((src, files - flushed))
+        real_rename(src, dst)
+
+    monkeypatch.setattr(os, "open", tracking_open)
+    monkeypatch.setattr(os, "fsync", tracking_fsync)
+    monkeypatch.setattr(os, "rename", tracking_rename)
+    manager = jd.checkpoint.CheckpointManager(jd.checkpoint.Checkpoint(w=jnp.arange(8.0)), tmp_path)
+    manager.save()
+    monkeypatch.undo()
+    assert len(published) == 1, published  # the entry, renamed from its temporary name
+    src, not_flushed = published[0]
+    assert src.endswith("ckpt-1.tmp") and not not_flushed, sorted(not_flushed)[:5]

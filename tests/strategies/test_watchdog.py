@@ -141,6 +141,20 @@ def test_steps_that_complete_in_time_never_trip_it() -> None:
 
 
 @pytest.mark.usefixtures("arrays")
+def test_the_stall_clock_counts_from_the_oldest_step_in_flight_not_the_last_dispatch() -> None:
+    # A planted bug restarted the clock on every dispatch: a loop that keeps dispatching
+    # (JAX's asynchronous dispatch) behind a stuck step was never ended.
+    dog, events = _watchdog_for(FakeStore(), timeout=0.5, n=2)
+    started = time.monotonic()
+    dog.dispatched(FakeOutput())  # stuck: never completes, and nothing after it can
+    while not dog.done.is_set() and time.monotonic() - started < 5:
+        dog.dispatched(FakeOutput())  # the loop goes on dispatching
+        time.sleep(0.05)
+    assert dog.done.is_set() and 0.5 <= time.monotonic() - started < 2.5
+    assert events[-1] == 1 and "did not complete within 0.5 s" in events[0]
+
+
+@pytest.mark.usefixtures("arrays")
 def test_without_the_store_and_with_everyone_there() -> None:
     dog, events = _watchdog_for(FakeStore(fail=True), timeout=0.2, n=2)
     dog.dispatched(FakeOutput())

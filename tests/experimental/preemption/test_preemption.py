@@ -127,6 +127,27 @@ def test_the_default_exit_fn_exits_with_42_after_saving(tmp_path: Path) -> None:
     assert count == handler.total_run_calls and w == [float(count)] * 3
 
 
+def test_an_asynchronous_manager_is_written_before_exit_fn(tmp_path: Path) -> None:
+    # A planted bug called exit_fn while the background write ran; no test used an
+    # asynchronous manager, so a restart could find no checkpoint.
+    ckpt = jd.checkpoint.Checkpoint(w=jnp.zeros(4_000_000))  # 16 MB: the write takes a while
+    manager = jd.checkpoint.CheckpointManager(ckpt, tmp_path, enable_async_checkpointing=True)
+    seen: list[tuple[list[str], bool]] = []
+
+    def exit_fn() -> None:  # what a restarted job would find on disk now
+        entries = sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("ckpt"))
+        complete = (tmp_path / "ckpt-1" / "jaxdist_checkpoint.json").exists()
+        seen.append((entries, complete))
+
+    handler = jd.experimental.PreemptionCheckpointHandler(
+        None, manager, None,
+        jd.experimental.TerminationConfig(termination_watcher_fn=lambda: True, exit_fn=exit_fn),
+    )  # fmt: skip
+    _run_until(handler, _step(ckpt, pause=0.0), lambda: bool(seen))
+    assert seen == [(["ckpt-1"], True)]
+    assert _saved(tmp_path, size=4_000_000)[0] == handler.total_run_calls - 1
+
+
 def test_save_fn_replaces_the_save(tmp_path: Path) -> None:
     seen: list[int] = []
     ckpt, handler = _handler(

@@ -273,6 +273,56 @@ def test_fit_evaluates_in_eval_mode_and_writes_nothing_back() -> None:
     np.testing.assert_allclose(history.history["val_loss"][-1], ref, rtol=1e-5, atol=1e-5)
 
 
+def test_fit_puts_each_modules_mode_back_and_a_frozen_layer_stays_frozen() -> None:
+    # A planted bug forced every module back to train() after evaluation; the model above
+    # is all in training mode and could not see it.
+    strategy = jd.MirroredStrategy(jax.devices()[:2])
+    model = _Net(nnx.Rngs(0))
+    model.frozen = nnx.BatchNorm(4, use_running_average=True, rngs=nnx.Rngs(1))  # on purpose
+    opt = nnx.Optimizer(model, optax.sgd(0.05), wrt=nnx.Param)
+    x, y = _linear_data(16)
+    train, evaluate = _fit_steps(strategy)
+    modes: list[tuple[bool, bool, bool]] = []
+
+    class Record(jd.training.Callback):
+        def on_epoch_end(self, epoch, logs):  # after the evaluation
+            modes.append(
+                (model.drop.deterministic, model.bn.use_running_average,
+                 model.frozen.use_running_average)
+            )  # fmt: skip
+
+    data = jd.data.from_arrays(x, y, batch_size=8)
+    jd.fit(train, model, opt, data=data, eval_step=evaluate, eval_data=data,
+           callbacks=[Record()], epochs=2, verbose=False)  # fmt: skip
+    assert modes == [(False, False, True)] * 2
+
+
+def test_an_optimizer_state_that_differs_between_replicas_is_refused() -> None:
+    # A planted bug dropped nnx.OptState from the guard; parameters alone still caught the
+    # usual missing all-reduce, so only an optimizer-state-only divergence shows it.
+    strategy = jd.MirroredStrategy(jax.devices()[:2])
+    model = nnx.Linear(3, 1, rngs=nnx.Rngs(0))
+    opt = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+
+    @jd.train_step(strategy)
+    def skew(ctx, model, opt, batch):
+        opt.step.set_value(opt.step.get_value() + ctx.replica_id_in_sync_group)
+        return {}
+
+    x = jnp.asarray(_linear_data(8)[0])  # the same on every replica, on purpose
+    with pytest.raises(jd.errors.ReplicaDivergenceError, match=r"`opt\.step` .*differs between"):
+        skew(model, opt, x)
+    assert int(opt.step.get_value()) == 0  # nothing was written back
+
+    @jd.train_step(strategy, update_state=False)
+    def counts(ctx, model, opt, batch):
+        opt.step.set_value(opt.step.get_value() + 1)
+        return {}
+
+    with pytest.raises(ValueError, match=r"the step updates `opt\.step`.*update_state=False"):
+        counts(model, opt, x)
+
+
 def test_update_state_false_writes_nothing_back() -> None:
     strategy = jd.MirroredStrategy(jax.devices()[:2])
     bn = nnx.BatchNorm(2, momentum=0.0, rngs=nnx.Rngs(0))

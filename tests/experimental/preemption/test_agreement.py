@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import threading
 from pathlib import Path
-from typing import Any
 
 import jax.numpy as jnp
 import pytest

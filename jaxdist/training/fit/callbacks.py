@@ -46,6 +46,9 @@ class FitLoop:
         nonfinite: set (to what was found, and where) by `TerminateOnNaN` when
             a loss was NaN or infinite; the `Checkpoint` callback saves
             nothing once it is set. None otherwise.
+        mid_group: with ``steps_per_execution=k``, True in ``on_step_end`` for a
+            step inside a group of k (the state is already the group's last
+            step's; the `Checkpoint` callback saves at the group's end).
     """
 
     def __init__(
@@ -71,6 +74,7 @@ class FitLoop:
         self.interrupted = False
         self.preempted = False
         self.nonfinite: str | None = None
+        self.mid_group = False
         self.record = LoopRecord()  # what a Checkpoint callback records of the loop
 
     @property

@@ -215,6 +215,7 @@ class Checkpoint(Callback):
         self._writer: threading.Thread | None = None
         self._failure: tuple[int, BaseException] | None = None
         self._saved_in_run = False  # this fit run has saved here (the directory must stay)
+        self._group_due = False  # a save fell due inside a group of steps_per_execution
 
     @property
     def manager(self) -> CheckpointManager:
@@ -245,6 +246,10 @@ class Checkpoint(Callback):
 
     def on_step_end(self, step: int, logs: Mapping[str, float]) -> None:
         due = self.every_n_steps is not None and step % self.every_n_steps == 0
+        if self.loop.mid_group:  # steps_per_execution: saved at the group's end
+            self._group_due = self._group_due or due
+            return
+        due, self._group_due = due or self._group_due, False
         if due and not (self.every_epoch and self.loop.at_epoch_end):  # else saved at its end
             self.save()
 

@@ -120,7 +120,6 @@ def _strategy_for(step: Any, strategy: Strategy | None) -> Strategy:
 def _grouped_step(
     step: Any,
     steps_per_execution: int | None,
-    checkpoint: Any,
     functional: tuple[bool, ...],
     state: tuple[Any, ...],
 ) -> TrainStep | None:
@@ -144,12 +143,6 @@ def _grouped_step(
             f"donate_argnums={step.options.donate_argnums} (a group carries its TrainState "
             "arguments and donates them per `donate`); drop donate_argnums, or use "
             "steps_per_execution=1."
-        )
-    if checkpoint is not None:
-        raise ValueError(
-            f"{_WHERE}: steps_per_execution={k} cannot be combined with a "
-            "jd.training.Checkpoint callback yet (it saves between single steps); use "
-            "steps_per_execution=1 with checkpoints."
         )
     for i, f in enumerate(functional):
         if f and not isinstance(state[i], TrainState):
@@ -309,9 +302,13 @@ def fit(
             step's own (``jd.train_step(..., steps_per_execution=k)``), else a
             copy of the step with this value is used. Callbacks, the progress
             bar and the metrics still see every step, but the state moves a
-            group at a time: a callback inside a group sees the state after it,
-            and a stop requested inside a group ends with the group done. Not
-            with a `Checkpoint` callback (it saves between single steps).
+            group at a time: a callback inside a group sees the state after it
+            (``loop.mid_group``), and a stop requested inside a group (Ctrl-C,
+            SIGTERM, ``stop_training``) takes effect at the group's end. A
+            `Checkpoint` callback saves at group ends (a save due inside a
+            group, by ``every_n_steps``, is made at its end, as ``ckpt-<step>``
+            of that step), and so does a preemption handler; ``resume=True``
+            continues exactly.
         preemption_handler: a `jaxdist.experimental.PreemptionCheckpointHandler`
             made with this run's `Checkpoint` callback
             (``PreemptionCheckpointHandler(strategy.cluster_resolver, ckpt)``;
@@ -406,7 +403,7 @@ def fit(
     if epochs is None and steps is None:
         epochs = initial_epoch + 1
     functional = tuple(not is_nnx_node(s) for s in state)
-    grouped = _grouped_step(step, steps_per_execution, checkpoint, functional, state)
+    grouped = _grouped_step(step, steps_per_execution, functional, state)
     _check_state(state, functional)
     if (
         any(functional)

@@ -15,10 +15,12 @@
 
 So callbacks and the progress bar count steps, not calls, and each step's
 metrics are its own. The state is updated a group at a time: a callback
-called after a step inside a group sees the state after the whole group, and
-a stop requested inside a group (``stop_training``, Ctrl-C) ends training
-with the group's state (the steps are all done; the loop counts the steps it
-logged).
+called after a step inside a group sees the state after the whole group
+(``loop.mid_group`` is True there). A stop requested inside a group
+(``stop_training``, Ctrl-C, SIGTERM) takes effect at the group's end, after
+its remaining steps are logged (they are done), so that the step count, the
+state and the data position agree wherever training stops; checkpoints and
+the preemption handler's agreement are at group ends too.
 """
 
 from __future__ import annotations
@@ -98,6 +100,11 @@ class GroupFeed:
         self.loop = loop
         self.data: Lookahead | None = None
         self.queued: collections.deque[tuple[Any, Any]] = collections.deque()  # (batch, out)
+
+    @property
+    def mid_group(self) -> bool:
+        """Whether steps of the current group are still to be handed to the loop."""
+        return bool(self.queued)
 
     def dataset(self, data: Any) -> _Data:
         return _Data(data, self)

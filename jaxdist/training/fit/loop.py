@@ -16,6 +16,7 @@ import jax
 
 from jaxdist.training.fit.callbacks import Callback, FitLoop, functional_result
 from jaxdist.training.fit.checkpoints import Checkpoint, Resumed
+from jaxdist.training.fit.groups import GroupFeed
 from jaxdist.training.fit.interrupts import PREEMPTED_EXIT_CODE, Interrupts
 from jaxdist.training.fit.modes import eval_mode
 from jaxdist.training.fit.preemption_hook import PreemptionHandlerLike
@@ -233,6 +234,11 @@ class Runner:
             print(f"{_WHERE}: resumed from {name} ({self.loop.where})", file=self.display.stream,
                   flush=True)  # fmt: skip
 
+    def mid_group(self) -> bool:
+        """Whether the step just logged is inside a group of ``steps_per_execution`` (more of
+        the group's steps, already run, are still to be logged)."""
+        return isinstance(self.step, GroupFeed) and self.step.mid_group
+
     def set_epoch(self, epoch: int) -> None:
         set_epoch = getattr(self.source, "set_epoch", None)
         if callable(set_epoch):
@@ -294,9 +300,10 @@ class Runner:
                         rate = (mean.rows - rows_before) / max(time.perf_counter() - start, 1e-9)
                         display.step(done - 1, mean.result(), rate)
                 pending = logs
-                if record is not None:  # the position after this step's batch
+                mid_group = loop.mid_group = self.mid_group()
+                if record is not None and not mid_group:  # the position after this batch
                     record.data, record.epoch_steps, record.pending = it.get_state(), done, logs
-                if interrupts.interrupted:
+                if interrupts.interrupted and not mid_group:
                     batch = _END
                 else:
                     batch = next(it, _END)  # also at the step limit: is the epoch complete?
@@ -305,9 +312,11 @@ class Runner:
                         batch = _END
                 for cb in self.callbacks:
                     cb.on_step_end(loop.step, logs)
+                if mid_group:  # the group's other steps are done: log them before stopping
+                    continue
                 if self.preemption is not None and not interrupts.interrupted:
-                    # Every process, every step: may save this step through the Checkpoint
-                    # callback (the position is known: at_epoch_end is set) and exit.
+                    # Every process, every step (or group): may save this step through the
+                    # Checkpoint callback (the position is known: at_epoch_end is set) and exit.
                     self.preemption.fit_step_end(loop.step)
                 if batch is _END or loop.stop_training or interrupts.interrupted:
                     break

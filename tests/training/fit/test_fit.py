@@ -741,7 +741,7 @@ def test_sigint_from_a_callback_mid_epoch_stops_after_that_step(tmp_path, signal
     once, outside the step, with the same consistent state."""
     strategy, x, y, step, model, opt = _mirrored_nnx()
     ckpt = jd.training.Checkpoint(tmp_path, every_n_steps=4, every_epoch=False)
-    with pytest.raises(jd.training.FitInterrupted, match=r"stopped by Ctrl-C after step 6 ") as e:
+    with pytest.raises(jd.training.FitInterrupted, match=r"stopped by Ctrl-C after step 6, ") as e:
         stop = _InterruptAt(6, signals=signals)
         _quiet_fit(step, model, opt, x, y, epochs=3, callbacks=[ckpt, stop])
     if signals == 2:

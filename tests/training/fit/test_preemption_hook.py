@@ -143,6 +143,29 @@ def test_a_notice_saves_that_step_exits_and_resume_is_exact(tmp_path: Path, at: 
 
 
 @pytest.mark.timeout(300)
+def test_grouped_fit_takes_a_handler_and_saves_at_the_groups_end(tmp_path: Path) -> None:
+    # Before: fit(steps_per_execution=k) refused a Checkpoint callback, so it could not
+    # checkpoint, resume or take a preemption handler. Groups of 2 over epochs of 3 steps:
+    # (1-2, 3), (4-5, 6), ...; the notice at step 4 is acted on at the end of its group.
+    strategy = jd.MirroredStrategy(jax.devices()[:2])
+    step = _step(strategy)
+    reference = _fit(strategy, step, [], steps_per_execution=2)
+    ckpt = jd.training.Checkpoint(tmp_path, every_n_steps=4, every_epoch=False)
+    notice = _NoticeAt(4)
+    handler = _handler(ckpt, notice)
+    with pytest.raises(SystemExit) as e:
+        _fit(strategy, step, [ckpt, notice], preemption_handler=handler, steps_per_execution=2)
+    assert e.value.code == 42
+    assert _names(tmp_path) == ["ckpt-5"]  # due at 4 and noticed at 4: saved once, at 5
+    assert handler.total_run_calls == 5
+    again = jd.training.Checkpoint(tmp_path, every_n_steps=4, every_epoch=False)
+    resumed = _fit(
+        strategy, step, [], preemption_handler=_handler(again), resume=True, steps_per_execution=2
+    )
+    _same(resumed, reference)
+
+
+@pytest.mark.timeout(300)
 def test_an_exit_fn_that_returns_lets_fit_go_on_and_grace_period_saves_twice(
     tmp_path: Path,
 ) -> None:
@@ -197,8 +220,6 @@ def test_misuse_is_refused_with_the_fix(tmp_path: Path) -> None:
     other = jd.training.Checkpoint(tmp_path / "other")
     with pytest.raises(ValueError, match=r"saves through the .*fit, but callbacks holds another"):
         _fit(strategy, step, [other], preemption_handler=handler)
-    with pytest.raises(ValueError, match=r"steps_per_execution=2 cannot be combined with a "):
-        _fit(strategy, step, [], preemption_handler=handler, steps_per_execution=2)
     with pytest.raises(ValueError, match=r"\.run: this handler was made with a jd.training"):
         handler.run(lambda: None)
     with pytest.raises(ValueError, match=r"save_fn=.* replaces the handler's save"):

@@ -307,6 +307,33 @@ def test_a_crash_resumes_from_the_last_periodic_checkpoint(
     _same_history(history, ref_history)
 
 
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("kind", ["nnx", "functional"])
+def test_grouped_fit_saves_at_group_ends_and_resumes_exactly(
+    tmp_path: Path, mirrored8: jd.MirroredStrategy, kind: str
+) -> None:
+    """steps_per_execution=3 over epochs of 4 steps (groups 1-3, 4; 5-7, 8; ...): saves due
+    inside a group (every 2 steps) are made at its end, Ctrl-C inside a group stops at its
+    end, and resuming ends bitwise equal to the uninterrupted grouped run (before: fit
+    refused a Checkpoint callback with steps_per_execution)."""
+    setup = _Setup(mirrored8, kind)
+    grouped_arrays, grouped_history = setup.fit(setup.state(), [], steps_per_execution=3)
+    ref_arrays = _reference(setup)[0]  # single steps: equal within float error
+    for got, want in zip(grouped_arrays, ref_arrays, strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+    def checkpoint() -> jd.training.Checkpoint:
+        return jd.training.Checkpoint(tmp_path, every_n_steps=2, every_epoch=False, keep=None)
+
+    with pytest.raises(jd.training.FitInterrupted, match=r"after step 11, epoch 3 of 8;"):
+        setup.fit(setup.state(), [checkpoint(), _SignalAt(10)], steps_per_execution=3)
+    # Due at 2, 4, 6, 8, 10: saved at the ends of their groups; 11 by the Ctrl-C.
+    assert jd.training.Checkpoint(tmp_path).all_steps() == [3, 4, 7, 8, 11]
+    arrays, history = setup.fit(setup.state(), [checkpoint()], resume=True, steps_per_execution=3)
+    _same_arrays(arrays, grouped_arrays)
+    _same_history(history, grouped_history)
+
+
 def test_a_source_that_cannot_seek_is_replayed_to_its_position(
     tmp_path: Path, mirrored8: jd.MirroredStrategy
 ) -> None:

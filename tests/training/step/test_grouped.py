@@ -377,14 +377,6 @@ def test_fit_steps_per_execution_with_a_train_state_and_its_errors() -> None:
         w = w - 0.1 * np.asarray(g)
     np.testing.assert_allclose(np.asarray(state.params), w, **REF)
 
-    with pytest.raises(ValueError, match=r"cannot be combined with a jd.training.Checkpoint"):
-        jd.fit(
-            step,
-            make(),
-            data=data,
-            callbacks=[jd.training.Checkpoint("unused-dir", every_n_steps=1)],
-            progress=False,
-        )
     with pytest.raises(TypeError, match=r"needs a jd.train_step as the step"):
         jd.fit(lambda s, b: (s, 0.0), make(), data=data, steps_per_execution=2, progress=False)
     donating = jd.train_step(strategy, donate_argnums=0)(step.fn)

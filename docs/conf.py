@@ -16,7 +16,6 @@ import importlib
 import os
 import re
 import sys
-import types
 from pathlib import Path
 from typing import Any
 
@@ -106,15 +105,13 @@ def _lookup(dotted: str) -> Any:
         obj: Any = importlib.import_module(first)
     except ImportError:
         return _MISSING
-    for part in rest:
+    for i, part in enumerate(rest):
         found = getattr(obj, part, _MISSING)
-        if found is _MISSING and isinstance(obj, types.ModuleType):
+        if found is _MISSING:  # a module not imported yet, or one a function's name hides
             try:
-                found = importlib.import_module(f"{obj.__name__}.{part}")
+                found = importlib.import_module(".".join([first, *rest[: i + 1]]))
             except ImportError:
                 return _MISSING
-        if found is _MISSING:
-            return _MISSING
         obj = found
     return obj
 
@@ -183,7 +180,20 @@ def _dataclass_defaults(
     return None
 
 
+_NOTEBOOK_LINK = re.compile(r"\[([^\]`]+)\]\((?:\.\./)+notebooks/(\w+)\.ipynb\)")
+
+
+def _notebook_links(app: Any, docname: str, source: list[str]) -> None:
+    """The guides link the notebooks by their place in the repository
+    (``../../notebooks/x.ipynb``, which works where Markdown is read as files); on the site
+    the notebooks are the documents ``notebooks/x`` (``docs/notebooks`` is a link to the
+    folder), so such a link becomes a ``{doc}`` reference."""
+    if docname.startswith("guides/"):
+        source[0] = _NOTEBOOK_LINK.sub(r"{doc}`\1 </notebooks/\2>`", source[0])
+
+
 def setup(app: Any) -> None:
+    app.connect("source-read", _notebook_links)
     app.connect("autodoc-process-signature", _dataclass_defaults)
     app.connect("missing-reference", _resolve_by_object)
     app.connect("autodoc-process-docstring", _keep_prose_first_lines, priority=600)

@@ -29,15 +29,13 @@ def _lookup(dotted: str) -> Any:
         obj: Any = importlib.import_module(first)
     except ImportError:
         return _MISSING
-    for part in rest:
+    for i, part in enumerate(rest):
         found = getattr(obj, part, _MISSING)
-        if found is _MISSING and isinstance(obj, types.ModuleType):
+        if found is _MISSING:  # a module not imported yet, or one a function's name hides
             try:
-                found = importlib.import_module(f"{obj.__name__}.{part}")
+                found = importlib.import_module(".".join([first, *rest[: i + 1]]))
             except ImportError:
                 return _MISSING
-        if found is _MISSING:
-            return _MISSING
         obj = found
     return obj
 

@@ -1,5 +1,5 @@
 """The documentation build fails when it should: on a broken cross-reference, a reference
-to a name jaxdist does not define, and an example that raises.
+to a name jaxdist does not define, a link to a missing page, and an example that raises.
 
 Each test builds a one-page site in a temporary folder with the configuration of
 ``docs/conf.py`` (warnings as errors, ``nitpicky``) in a fresh ``sphinx-build`` process,
@@ -84,6 +84,16 @@ def test_a_broken_reference_fails_the_build(tmp_path: Path, ref: str, warning: s
     out = _build(tmp_path, {"index.rst": _PAGE.format(ref=ref)})
     assert out.returncode != 0, "the build passed with a broken reference"
     assert warning in out.stderr, out.stderr
+
+
+@pytest.mark.timeout(300)
+def test_a_broken_markdown_link_fails_the_build(tmp_path: Path) -> None:
+    """A guide's link to a page that does not exist (Markdown, as the guides are written)."""
+    page = "# Guide\n\nSee [the other guide](no_such_guide.md) and [this one](index.md).\n"
+    out = _build(tmp_path, {"index.md": page})
+    assert out.returncode != 0, "the build passed with a broken link"
+    assert "no_such_guide" in out.stderr, out.stderr
+    assert out.stderr.count("WARNING") == 1, out.stderr  # the good link resolves
 
 
 @pytest.mark.timeout(300)

@@ -139,6 +139,62 @@ def test_training_snippet_runs_and_learns() -> None:
     assert float(scope["metrics"]["loss"]) < 0.5
 
 
+def test_kubernetes_manifest_starts_an_indexed_job_the_resolver_reads(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The guide's Job manifest, as pod 2 of it sees the world: an Indexed Job of 4 pods, the
+    label selector in the environment; the default resolver lists the pods with that
+    selector (a stand-in for the Kubernetes client) and makes pod 2 process 2 of 4, with
+    the coordinator on pod 0's IP at port 8470."""
+    import types
+
+    import yaml
+
+    text = PAGES["multi_process.md"]
+    manifest = next(m[2] for m in FENCE.finditer(text) if m[1] == "yaml")
+    job = yaml.safe_load(manifest)
+    spec = job["spec"]
+    assert job["kind"] == "Job" and spec["completionMode"] == "Indexed"
+    labels = spec["template"]["metadata"]["labels"]
+    (container,) = spec["template"]["spec"]["containers"]
+    env = {e["name"]: e["value"] for e in container["env"]}
+    selector = env["JAXDIST_KUBERNETES_LABEL_SELECTOR"]
+    assert selector == ",".join(f"{k}={v}" for k, v in labels.items())
+
+    def pod(i: int) -> Any:
+        meta = types.SimpleNamespace(
+            name=f"train-{i}-x", annotations={"batch.kubernetes.io/job-completion-index": str(i)}
+        )
+        status = types.SimpleNamespace(phase="Running", pod_ip=f"10.1.0.{i}", host_ip="10.0.0.9")
+        return types.SimpleNamespace(metadata=meta, status=status)
+
+    asked = []
+
+    class CoreV1Api:
+        def list_pod_for_all_namespaces(self, label_selector: str) -> Any:
+            asked.append(label_selector)
+            return types.SimpleNamespace(items=[pod(i) for i in (3, 1, 0, 2)])
+
+    fake = types.SimpleNamespace(
+        client=types.SimpleNamespace(CoreV1Api=CoreV1Api),
+        config=types.SimpleNamespace(load_incluster_config=lambda: None),
+    )
+    monkeypatch.setitem(sys.modules, "kubernetes", fake)  # the client the image would install
+    monkeypatch.setenv("KUBERNETES_SERVICE_HOST", "10.96.0.1")
+    monkeypatch.setenv("JOB_COMPLETION_INDEX", "2")
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    resolver = jd.cluster_resolver.resolve_default()
+    assert type(resolver).__name__ == "KubernetesClusterResolver"
+    kwargs = resolver.jax_initialize_kwargs()
+    assert asked and set(asked) == {selector}
+    assert kwargs == {
+        "coordinator_address": "10.1.0.0:8470",
+        "num_processes": spec["completions"],
+        "process_id": 2,
+    }
+
+
 @pytest.mark.timeout(120)
 def test_fit_snippet_trains_stops_early_and_checkpoints() -> None:
     scope = _run("fit")

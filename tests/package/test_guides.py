@@ -139,6 +139,43 @@ def test_training_snippet_runs_and_learns() -> None:
     assert float(scope["metrics"]["loss"]) < 0.5
 
 
+@pytest.mark.timeout(120)
+def test_slurm_script_gives_each_task_its_process_and_gpu() -> None:
+    """The guide's batch script, as task 5 of its ``srun`` step sees the world (Slurm's
+    variables made from the ``#SBATCH`` lines, in a fresh interpreter, since the GPU
+    assignment must happen before JAX starts): process 5 of 8, the coordinator on the
+    first node at port 8888, and the second GPU of its node."""
+    text = PAGES["multi_process.md"]
+    script = next(m[2] for m in FENCE.finditer(text) if m[2].startswith("#!/bin/bash"))
+    options = dict(re.findall(r"^#SBATCH --([a-z-]+)=(\d+)$", script, re.M))
+    assert script.rstrip().splitlines()[-1] == "srun python train.py"
+    nodes, per_node = int(options["nodes"]), int(options["ntasks-per-node"])
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_", "XLA_", "CUDA_"))}
+    env.update(
+        JAX_PLATFORMS="cpu",
+        PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")])),
+        SLURM_PROCID="5",
+        SLURM_STEP_NUM_TASKS=str(nodes * per_node),
+        SLURM_STEP_NODELIST=f"n[01-{nodes:02d}]",
+        SLURM_STEP_TASKS_PER_NODE=f"{per_node}(x{nodes})",
+        SLURM_GPUS_ON_NODE=options["gpus-per-node"],
+    )
+    code = (
+        "import json, os, jaxdist as jd\n"
+        "r = jd.cluster_resolver.resolve_default()\n"
+        "print(json.dumps([type(r).__name__, r.jax_initialize_kwargs(), "
+        "os.environ.get('CUDA_VISIBLE_DEVICES')]))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=110
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    name, kwargs, visible = json.loads(out.stdout.splitlines()[-1])
+    assert name == "SlurmClusterResolver"
+    assert kwargs == {"coordinator_address": "n01:8888", "num_processes": 8, "process_id": 5}
+    assert visible == "1"  # task 5 is the second task of the second node
+
+
 def test_kubernetes_manifest_starts_an_indexed_job_the_resolver_reads(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

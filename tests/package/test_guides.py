@@ -176,6 +176,20 @@ def test_slurm_script_gives_each_task_its_process_and_gpu() -> None:
     assert visible == "1"  # task 5 is the second task of the second node
 
 
+def test_cloud_tpu_hosts_resolve_as_the_guide_says(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Host 3 of a 4-host slice, from the variables the guide names: process 3 of 4, the
+    coordinator on worker 0 at port 8482."""
+    text = PAGES["multi_process.md"]
+    for name in ("TPU_WORKER_HOSTNAMES", "TPU_WORKER_ID", "8482"):
+        assert name in text, name
+    monkeypatch.setenv("TPU_WORKER_HOSTNAMES", "t0,t1,t2,t3")
+    monkeypatch.setenv("TPU_WORKER_ID", "3")
+    resolver = jd.cluster_resolver.resolve_default()
+    assert type(resolver).__name__ == "TPUClusterResolver"
+    kwargs = resolver.jax_initialize_kwargs()
+    assert kwargs == {"coordinator_address": "t0:8482", "num_processes": 4, "process_id": 3}
+
+
 def test_kubernetes_manifest_starts_an_indexed_job_the_resolver_reads(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -183,17 +183,25 @@ def _dataclass_defaults(
 _NOTEBOOK_LINK = re.compile(r"\[([^\]`]+)\]\((?:\.\./)+notebooks/(\w+)\.ipynb\)")
 
 
-def _notebook_links(app: Any, docname: str, source: list[str]) -> None:
-    """The guides link the notebooks by their place in the repository
-    (``../../notebooks/x.ipynb``, which works where Markdown is read as files); on the site
-    the notebooks are the documents ``notebooks/x`` (``docs/notebooks`` is a link to the
-    folder), so such a link becomes a ``{doc}`` reference."""
+_JD_NAME = re.compile(r"(?<![`\w])`jd\.([A-Za-z_][\w.]*\w)(\([^`<>]*\))?`(?!`)")
+
+
+def _guide_links(app: Any, docname: str, source: list[str]) -> None:
+    """Links in the guides, which are Markdown that reads as files too.
+
+    They link the notebooks by their place in the repository (``../../notebooks/x.ipynb``);
+    on the site the notebooks are the documents ``notebooks/x`` (``docs/notebooks`` is a
+    link to the folder), so such a link becomes a ``{doc}`` reference. A jaxdist name
+    written as code (`` `jd.fit` ``, `` `jd.fit(step, ...)` ``) becomes a reference to its
+    API entry (a name documented under another path is found by object, see
+    `_resolve_by_object`; one that names nothing fails the build)."""
     if docname.startswith("guides/"):
-        source[0] = _NOTEBOOK_LINK.sub(r"{doc}`\1 </notebooks/\2>`", source[0])
+        text = _NOTEBOOK_LINK.sub(r"{doc}`\1 </notebooks/\2>`", source[0])
+        source[0] = _JD_NAME.sub(r"{py:obj}`jd.\1\2 <jaxdist.\1>`", text)
 
 
 def setup(app: Any) -> None:
-    app.connect("source-read", _notebook_links)
+    app.connect("source-read", _guide_links)
     app.connect("autodoc-process-signature", _dataclass_defaults)
     app.connect("missing-reference", _resolve_by_object)
     app.connect("autodoc-process-docstring", _keep_prose_first_lines, priority=600)

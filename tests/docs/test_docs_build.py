@@ -25,7 +25,7 @@ CONF = Path(__file__).resolve().parents[2] / "docs" / "conf.py"
 
 def _build(tmp_path: Path, pages: dict[str, str]) -> subprocess.CompletedProcess[str]:
     src = tmp_path / "src"
-    src.mkdir()
+    src.mkdir(exist_ok=True)
     (src / "conf.py").write_text(
         f"import runpy\nglobals().update(runpy.run_path({str(CONF)!r}))\n", encoding="utf-8"
     )
@@ -94,6 +94,24 @@ def test_a_broken_markdown_link_fails_the_build(tmp_path: Path) -> None:
     assert out.returncode != 0, "the build passed with a broken link"
     assert "no_such_guide" in out.stderr, out.stderr
     assert out.stderr.count("WARNING") == 1, out.stderr  # the good link resolves
+
+
+@pytest.mark.timeout(300)
+def test_jaxdist_names_in_a_guide_link_to_the_api_and_a_misspelt_one_fails(
+    tmp_path: Path,
+) -> None:
+    """In a guide, a name written as code (`` `jd.has_strategy` ``) links to its API entry;
+    one that jaxdist does not define fails the build."""
+    api = ".. autofunction:: jaxdist.has_strategy\n"
+    guide = "# Guide\n\n`jd.has_strategy()` and `jd.has_strategie`.\n"
+    index = "Site\n====\n\n.. toctree::\n\n   api\n   guides/page\n"
+    (tmp_path / "src" / "guides").mkdir(parents=True)
+    out = _build(tmp_path, {"index.rst": index, "api.rst": api, "guides/page.md": guide})
+    assert out.returncode != 0, "the build passed with a misspelt name"
+    assert out.stderr.count("WARNING") == 1, out.stderr
+    assert "jaxdist.has_strategie" in out.stderr, out.stderr
+    html = (tmp_path / "html" / "guides" / "page.html").read_text(encoding="utf-8")
+    assert 'href="../api.html#jaxdist.has_strategy"' in html
 
 
 @pytest.mark.timeout(300)

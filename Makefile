@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 test: $(STAMP)
-	$(VENV)/bin/ruff check jaxdist tests benchmarks conftest.py
+	$(VENV)/bin/ruff check jaxdist tests benchmarks conftest.py docs
 	$(VENV)/bin/mypy jaxdist
 	$(VENV)/bin/lint-imports
 	$(PY) -m pytest -q
@@ -39,7 +39,7 @@ demo: $(STAMP)
 	$(PY) -m jaxdist.examples.digits
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check jaxdist tests benchmarks conftest.py
+	$(VENV)/bin/ruff check jaxdist tests benchmarks conftest.py docs
 	$(VENV)/bin/ruff format --check jaxdist tests benchmarks
 
 bench: $(STAMP)

@@ -24,6 +24,7 @@ import dataclasses
 import json
 import os
 import re
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -37,6 +38,7 @@ __all__ = [
     "Checkpoint",
     "Snapshot",
     "held_positions",
+    "items_of",
     "iterator_positions",
     "refuse_deleted",
     "set_save_counter",
@@ -120,7 +122,6 @@ class Checkpoint:
     def __init__(self, **items: Any) -> None:
         object.__setattr__(self, "_items", {})
         object.__setattr__(self, "_save_counter", 0)
-        object.__setattr__(self, "_held_positions", None)
         for name, item in items.items():
             setattr(self, name, item)
 
@@ -266,10 +267,10 @@ def take_snapshot(
     written (an asynchronous save); otherwise NumPy items are taken as they are.
     """
     refuse_deleted(where, checkpoint, _REBIND)
-    items = checkpoint._items
+    items = items_of(checkpoint)
     kinds = {name: _items.kind_of(item) for name, item in items.items()}
     trees, positions = {}, {}
-    held = checkpoint._held_positions or {}
+    held = _HELD.get(checkpoint, {})
     for name, item in items.items():
         if kinds[name] == _items.ITERATOR:
             positions[name] = held[name] if name in held else _iterator_state(where, name, item)
@@ -282,11 +283,21 @@ def take_snapshot(
     return Snapshot(kinds=kinds, arrays=host, positions=positions)
 
 
+def items_of(checkpoint: Checkpoint) -> dict[str, Any]:
+    """``checkpoint``'s items by name (the functions of this package read them here)."""
+    return checkpoint._items
+
+
+_HELD: weakref.WeakKeyDictionary[Checkpoint, dict[str, Any]] = weakref.WeakKeyDictionary()
+"""Iterator positions that saves of a checkpoint store instead of the current ones, while
+`held_positions` holds them."""
+
+
 def iterator_positions(checkpoint: Checkpoint) -> dict[str, Any]:
     """The positions (``get_state()``) of ``checkpoint``'s iterator items now, by name."""
     return {
         name: item.get_state()
-        for name, item in checkpoint._items.items()
+        for name, item in items_of(checkpoint).items()
         if _items.kind_of(item) == _items.ITERATOR
     }
 
@@ -297,11 +308,11 @@ def held_positions(checkpoint: Checkpoint, positions: dict[str, Any]) -> Iterato
     their current positions: the preemption handler saves at the start of a ``run()`` call
     the positions of the end of the previous one, since a loop that passes
     ``next(iterator)`` to ``run`` has already taken the call's batch."""
-    object.__setattr__(checkpoint, "_held_positions", dict(positions))
+    _HELD[checkpoint] = dict(positions)
     try:
         yield
     finally:
-        object.__setattr__(checkpoint, "_held_positions", None)
+        _HELD.pop(checkpoint, None)
 
 
 def refuse_deleted(where: str, checkpoint: Checkpoint, fix: str) -> None:
@@ -309,7 +320,7 @@ def refuse_deleted(where: str, checkpoint: Checkpoint, fix: str) -> None:
     (its buffer donated to a step that returned a new one), with ``fix``; a save would
     otherwise fail deep in the copy to the host."""
     found = []
-    for name, item in checkpoint._items.items():
+    for name, item in items_of(checkpoint).items():
         kind = _items.kind_of(item)
         if kind == _items.ITERATOR:
             continue

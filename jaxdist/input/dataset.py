@@ -338,7 +338,7 @@ class DistributedIterator:
 
     @property
     def element_spec(self) -> Any:
-        """The elements' structure as `jax.ShapeDtypeStruct`s with shardings, for compiling a
+        """The elements' structure as `jax.ShapeDtypeStruct` values with shardings, for compiling a
         step ahead of time (``strategy.function(step).lower(state, it.element_spec)``)."""
         with self._lock:
             if self._peeked is END:

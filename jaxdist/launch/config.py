@@ -68,7 +68,7 @@ class LaunchConfig:
             such restarts are not counted (with ``max_restarts >= 1``).
         kill_timeout: seconds between SIGTERM and SIGKILL when stopping processes.
         coordinator_port: a fixed coordinator port on 127.0.0.1 (``None``: a free one).
-        prefix: prefix each output line with ``[i] ``.
+        prefix: prefix each output line with ``[i]`` and a space.
         collective_timeout: seconds after which a `MultiWorkerMirroredStrategy` step
             that does not complete ends the job, for strategies created without
             ``CommunicationOptions(timeout_seconds=...)`` (``None``: the strategy's

@@ -176,6 +176,7 @@ def test_a_full_disk_says_so_and_leaves_nothing_behind(
     fresh.restore(manager.latest_checkpoint)
     np.testing.assert_array_equal(np.asarray(fresh.w), np.arange(4.0))
     assert manager.save().endswith("ckpt-3")
+    manager.close()  # an asynchronous write finishes inside the test
 
 
 def test_every_file_is_flushed_before_the_rename_that_publishes_it(
@@ -201,7 +202,7 @@ def test_every_file_is_flushed_before_the_rename_that_publishes_it(
 
     def tracking_rename(src: Any, dst: Any) -> None:
         src = os.fspath(src)
-        if src.endswith(".tmp") and os.path.isdir(src):
+        if src.startswith(str(tmp_path)) and src.endswith(".tmp") and os.path.isdir(src):
             files = {os.path.realpath(os.path.join(h, n)) for h, _, ns in os.walk(src) for n in ns}
             published.append((src, files - flushed))
         real_rename(src, dst)

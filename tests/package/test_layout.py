@@ -1,4 +1,4 @@
-"""The layout rules: the README's tree is the package's, few modules sit at the top, the one
+"""The layout rules: the layout guide's tree is the package's, few modules sit at the top, the one
 late-bound hook is the only lookup by name, and private reach-through stays under its
 ceiling (counted by ``tests/layout_audit.py``)."""
 
@@ -19,10 +19,13 @@ REACH_THROUGH_CEILING = 12
 REPEATED_TEST_BLOCKS_CEILING = 1
 
 
-def _readme_tree() -> dict[str, set[str]]:
-    text = (ROOT / "README.md").read_text()
-    layout = text[text.index("## Layout") :]
-    block = layout[layout.index("```text\n") + 8 :]
+# The contributors' guide to the code layout, with the tree of the package.
+LAYOUT_GUIDE = ROOT / "docs" / "guides" / "layout.md"
+
+
+def _guide_tree() -> dict[str, set[str]]:
+    text = LAYOUT_GUIDE.read_text(encoding="utf-8")
+    block = text[text.index("```text\n") + 8 :]
     block = block[: block.index("```")]
     tree: dict[str, set[str]] = {}
     folder = None
@@ -45,8 +48,10 @@ def _package_tree() -> dict[str, set[str]]:
     return tree
 
 
-def test_the_readme_layout_is_the_package_tree() -> None:
-    assert _readme_tree() == _package_tree()
+def test_the_layout_guide_tree_is_the_package_tree() -> None:
+    assert _guide_tree() == _package_tree(), (
+        "docs/guides/layout.md's tree differs from jaxdist/: update the guide's ```text block"
+    )
 
 
 def test_at_most_twelve_modules_sit_directly_under_jaxdist() -> None:

@@ -1,139 +1,83 @@
-"""The README tells the truth: every Python snippet runs as written, and its claims hold.
+"""The README is a landing page that tells the truth: its snippets run, its links lead
+somewhere, and its claims hold.
 
-Each ```python block of README.md is executed by one test here (found by a marker
-string it contains), in this process with the 8 simulated CPU devices of the root
-conftest, except the device-count snippet, which must run before JAX starts and so
-runs in a fresh interpreter. Results are checked against NumPy references with the
-tolerances stated in each test. Other tests hold the README's prose to the code: every
-``jd.`` name it mentions resolves, the names it lists as "not yet" are absent, the test
-files its feature table points at exist, the environment variables and launcher options
-it names are real, and what it says about corrupted checkpoints is what happens.
+The README keeps two ```python blocks, the device-count line and the quickstart; the
+getting-started guide starts with the same two, so each test here runs both pages'
+copies. The device-count snippet must run before JAX starts, so it runs in a fresh
+interpreter; the quickstart runs in this process with the 8 simulated CPU devices of the
+root conftest, checked against exact values.
 """
 
 from __future__ import annotations
 
-import glob
-import json
 import os
-import pathlib
 import re
-import signal
 import subprocess
 import sys
-import tempfile
-import time
 from typing import Any
 
-import jax
-import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
 
 import jaxdist as jd
 
-from _helpers import ORBAX_CLOSED_LOOP, REPO
+from _helpers import REPO
+from _pages import block, python_blocks, read, run_block, unaccounted_blocks
 
-README = (REPO / "README.md").read_text(encoding="utf-8")
-BLOCKS = re.findall(r"```python\n(.*?)```", README, flags=re.S)
+README = read(REPO / "README.md")
+# The landing page stays short: what jaxdist is, the commands, a quickstart, the features,
+# the headline figures and links; everything else is in the guides.
+MAX_LINES = 200
 
-# One marker per ```python block, each found in exactly one block; a new snippet needs a
-# marker here and a test that runs it.
 MARKERS = {
     "devices": 'jax.config.update("jax_num_cpu_devices", 8)',
     "quickstart": "def replica_fn(ctx, x)",
-    "training": "optimizer = nnx.Optimizer(model, optax.adamw(1e-2)",
-    "fit": "jd.accumulate_gradients(loss_fn",
-    "multi_worker": "jd.MultiWorkerMirroredStrategy()   # first thing",
-    "variables": 'synchronization="on_read"',
-    "input": "def dataset_fn(input_context)",
-    "model_parallel": "jd.TPUStrategy(device_assignment=assignment)",
-    "fsdp": "jd.experimental.FSDPStrategy(min_shard_bytes=1024",
-    "preemption": "jd.experimental.PreemptionCheckpointHandler(",
-    "parameter_servers": "def train_step(ctx, w, steps, batch)",
+}
+# The README and the guide that start with the same snippets.
+PAGES = {
+    "README.md": README,
+    "docs/guides/getting_started.md": read(REPO / "docs" / "guides" / "getting_started.md"),
 }
 
 
-def _block(name: str) -> str:
-    found = [b for b in BLOCKS if MARKERS[name] in b]
-    assert len(found) == 1, (
-        f"README.md: {len(found)} python blocks contain the marker {MARKERS[name]!r} of "
-        f"the {name!r} snippet; exactly one must (tests/package/test_readme.py MARKERS)."
-    )
-    return found[0]
+def _block(page: str, name: str) -> str:
+    return block(page, PAGES[page], MARKERS, name)
 
 
-def _run(name: str, prelude: str = "") -> dict[str, Any]:
-    """Executes the named README snippet; returns its global namespace."""
-    scope: dict[str, Any] = {}
-    exec(compile(prelude + _block(name), f"README.md ({name} snippet)", "exec"), scope)
-    return scope
-
-
-def test_every_python_block_has_a_test() -> None:
-    untested = [b.splitlines()[0] for b in BLOCKS if not any(m in b for m in MARKERS.values())]
-    assert not untested, (
-        f"README.md python blocks starting {untested} are run by no test; add a marker to "
-        "MARKERS in tests/package/test_readme.py and a test that executes the block."
-    )
-    assert len(BLOCKS) == len(MARKERS), (len(BLOCKS), sorted(MARKERS))
-
-
-_FENCE = re.compile(r"^```(\w*)\n(.*?)^```$", re.S | re.M)
-_SKIP = re.compile(r"<!-- readme-test: (skip|run by (\w+)\b)[^>]*-->\s*\Z")
+def test_the_readme_is_a_landing_page() -> None:
+    lines = README.count("\n")
+    assert lines <= MAX_LINES, f"README.md has {lines} lines; move detail into docs/guides/"
+    for heading in ("## Quickstart", "## Documentation", "## Features", "## Benchmarks"):
+        assert heading in README, heading
+    assert README.index("make demo") < README.index("## Quickstart")
 
 
 def test_every_code_block_runs_or_says_why_not() -> None:
-    """Every fenced block of README.md is run by a test: a python block by the test of its
-    marker; any other block only when the HTML comment right before it names the test that
-    runs it (``<!-- readme-test: run by test_name ... -->``), else that comment must say
-    why it is not run (``<!-- readme-test: skip: reason -->``): it launches processes,
-    waits for a signal, or shows output."""
-    unaccounted = []
-    for m in _FENCE.finditer(README):
-        lang, body = m[1], m[2]
-        if lang == "python":
-            assert any(marker in body for marker in MARKERS.values()), body.splitlines()[0]
-            continue
-        before = _SKIP.search(README[: m.start()])
-        if before is None:
-            unaccounted.append(f"```{lang} block starting {body.splitlines()[0]!r}")
-        elif before[2] is not None:
-            assert before[2] in globals(), f"README names test {before[2]}, which does not exist"
+    assert len(python_blocks(README)) == len(MARKERS), sorted(MARKERS)
+    unaccounted = unaccounted_blocks("README.md", README, MARKERS, globals())
     assert not unaccounted, (
-        f"README.md: {unaccounted} are run by no test; run them in tests/package/test_readme.py "
-        "(and say so in a `<!-- readme-test: run by test_name -->` comment before the block) "
-        "or put `<!-- readme-test: skip: reason -->` right before them."
+        f"{unaccounted} are run by no test; run them in tests/package/test_readme.py or put "
+        "`<!-- readme-test: skip: reason -->` right before them."
     )
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(240)
-def test_launcher_block_runs_train_py(tmp_path: pathlib.Path) -> None:
-    """The launcher block's first command, on the README's train.py: 2 processes x 4
-    simulated devices all-reduce across all 8 replicas."""
-    block = next(m[2] for m in _FENCE.finditer(README) if "jaxdist.launch --nprocs 2" in m[2])
-    command = next(line for line in block.splitlines() if line.startswith("python -m"))
-    args = command.split()
-    assert args[:3] == ["python", "-m", "jaxdist.launch"] and args[-1] == "train.py", command
-    (tmp_path / "train.py").write_text(_block("multi_worker"))
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_", "XLA_"))}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
-    out = subprocess.run(
-        [sys.executable, *args[1:]], env=env, cwd=tmp_path, capture_output=True, text=True,
-        timeout=200,
-    )  # fmt: skip
-    assert out.returncode == 0, out.stderr[-3000:]
-    for i in range(2):
-        line = f"[{i}] process {i} of 2: 8 replicas, all-reduce of ones = 8.0"
-        assert line in out.stdout.splitlines(), out.stdout[-2000:]
+def test_links_lead_to_files_of_the_repository() -> None:
+    links = re.findall(r"\]\(([^)#]+)(?:#[^)]*)?\)", README)
+    local = [link for link in links if "://" not in link]
+    assert "docs/guides/getting_started.md" in local
+    missing = sorted(link for link in local if not (REPO / link).exists())
+    assert not missing, f"README.md links to missing files {missing}"
+    guides = sorted(p.relative_to(REPO).as_posix() for p in (REPO / "docs" / "guides").glob("*.md"))
+    unlinked = [g for g in guides if g not in local]
+    assert not unlinked, f"README.md's guide table does not link {unlinked}"
 
 
 @pytest.mark.timeout(120)
-def test_devices_snippet_gives_8_devices_in_a_fresh_interpreter() -> None:
+@pytest.mark.parametrize("page", sorted(PAGES))
+def test_devices_snippet_gives_8_devices_in_a_fresh_interpreter(page: str) -> None:
     env = {k: v for k, v in os.environ.items() if k not in ("JAX_NUM_CPU_DEVICES", "XLA_FLAGS")}
     env["JAX_PLATFORMS"] = "cpu"
-    code = _block("devices") + "\nprint(len(jax.devices()))\n"
+    code = _block(page, "devices") + "\nprint(len(jax.devices()))\n"
     out = subprocess.run(
         [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=110
     )
@@ -141,8 +85,9 @@ def test_devices_snippet_gives_8_devices_in_a_fresh_interpreter() -> None:
     assert out.stdout.split()[-1] == "8", out.stdout
 
 
-def test_quickstart_runs() -> None:
-    scope = _run("quickstart")
+@pytest.mark.parametrize("page", sorted(PAGES))
+def test_quickstart_runs(page: str) -> None:
+    scope: dict[str, Any] = run_block(page, _block(page, "quickstart"), "quickstart")
     total, ids, strategy = scope["total"], scope["ids"], scope["strategy"]
     n = strategy.num_replicas_in_sync
     assert n == 8
@@ -153,191 +98,6 @@ def test_quickstart_runs() -> None:
     assert float(strategy.reduce("mean", ids, axis=None)) == (n - 1) / 2
 
 
-def test_training_snippet_runs_and_learns() -> None:
-    scope = _run("training")
-    model, x, y = scope["model"], scope["x"], scope["y"]
-    kernel = model.layers[0].kernel.get_value()
-    assert isinstance(kernel, jax.Array) and kernel.sharding.is_fully_replicated
-    assert len(kernel.sharding.device_set) == 8
-    assert kernel.dtype == jnp.float32
-    accuracy = float(np.mean(np.argmax(np.asarray(model(x)), -1) == y))
-    assert accuracy > 0.9, accuracy  # the label is x[:, 0] > 0: easily learnt
-    assert float(scope["metrics"]["loss"]) < 0.5
-
-
-@pytest.mark.timeout(120)
-def test_fit_snippet_trains_stops_early_and_checkpoints() -> None:
-    scope = _run("fit")
-    history, state, restored = scope["history"], scope["state"], scope["restored"]
-    x, y = scope["x"], scope["y"]
-    val = history.history["val_loss"]
-    assert history.stopped_early and len(history.epochs) < 30, history.epochs
-    assert val[-1] < 1e-2 * val[0], val
-    # y = x @ W exactly: the fitted weights approach least squares' (atol 0.05).
-    w_ref, *_ = np.linalg.lstsq(x[:448], y[:448], rcond=None)
-    np.testing.assert_allclose(np.asarray(state.params["w"]), w_ref, atol=0.05)
-    assert state.params["w"].sharding.is_fully_replicated
-    # The last checkpoint is the final state; only the newest 2 are kept.
-    assert restored.step == history.step == int(state.step)
-    for a, b in zip(jax.tree.leaves(restored.state), jax.tree.leaves(state), strict=True):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-    names = os.listdir(scope["ckpt_dir"])
-    kept = sorted(int(d.split("-")[1]) for d in names if d.startswith("ckpt-"))
-    assert len(kept) == 2 and kept[-1] == history.step, kept
-
-
-def test_multi_worker_snippet_is_a_one_process_cluster() -> None:
-    scope = _run("multi_worker")
-    strategy = scope["strategy"]
-    assert strategy.num_replicas_in_sync == 8
-    assert strategy.mesh.axis_names == ("host", "local")
-    assert strategy.mesh.devices.shape == (1, 8)
-
-
-def test_variables_snippet_runs() -> None:
-    scope = _run("variables")  # as written: the block has its imports
-    assert float(scope["seen"].read_value()) == 10 * 16 * 8
-    assert scope["w"].synchronization.name == "ON_WRITE"
-    # Reference: the same 10 steps of gradient descent on one device (rtol 1e-5).
-    w = np.zeros((4, 1), np.float32)
-    losses = []
-    for _ in range(10):
-        err = np.ones((16, 4), np.float32) @ w - 1.0
-        losses.append(float(np.mean(err**2)))
-        w = w - 0.1 * (2 / 16) * np.ones((4, 16), np.float32) @ err
-    np.testing.assert_allclose(np.asarray(scope["w"].read_value()), w, rtol=1e-5)
-    np.testing.assert_allclose(float(scope["mean_loss"]), np.mean(losses), rtol=1e-5)
-
-
-def test_input_snippet_runs() -> None:
-    scope = _run("input")
-    strategy = scope["strategy"]
-    rows = sum(
-        sum(len(v) for v in strategy.experimental_local_results(b)) for b in scope["per_replica_ds"]
-    )
-    assert rows == 1000
-
-
-def test_model_parallel_snippet_trains_like_one_device() -> None:
-    scope = _run("model_parallel")
-    strategy, params = scope["strategy"], scope["params"]
-    assert dict(strategy.mesh.shape) == {"replica": 4, "logical": 2}
-    # The first layer's dot runs on half the hidden units per device: f32[32,32].
-    assert re.search(r"= f32\[32,32\]\S* dot\(", scope["hlo"])
-    # The same 20 adam steps on one device, in plain JAX (rtol 1e-5, atol 1e-6).
-    tx, x = scope["tx"], scope["x"]
-    y = np.sin(x[:, :1])
-
-    def loss_fn(p):
-        return jnp.mean((jnp.tanh(x @ p["w1"]) @ p["w2"] - y) ** 2)
-
-    rng = np.random.default_rng(0)
-    ref = {
-        "w1": jnp.asarray(rng.normal(size=(8, 64)).astype(np.float32) / 3),
-        "w2": jnp.asarray(rng.normal(size=(64, 1)).astype(np.float32) / 8),
-    }
-    opt, first = tx.init(ref), float(loss_fn(ref))
-    for _ in range(20):
-        loss, grads = jax.value_and_grad(loss_fn)(ref)
-        updates, opt = tx.update(grads, opt, ref)
-        ref = optax.apply_updates(ref, updates)
-    np.testing.assert_allclose(float(scope["loss"]), float(loss), rtol=1e-5, atol=1e-6)
-    assert float(loss) < 0.5 * first
-    for name in ("w1", "w2"):
-        assert isinstance(params[name], jd.Mirrored)
-        np.testing.assert_allclose(np.asarray(params[name]), ref[name], rtol=1e-5, atol=1e-6)
-
-
-def test_fsdp_snippet_shards_the_state_and_trains_like_one_device() -> None:
-    from flax import nnx
-
-    scope = _run("fsdp")
-    model, opt, kernel, memory = scope["model"], scope["opt"], scope["kernel"], scope["memory"]
-    assert kernel.sharding.spec == jax.sharding.PartitionSpec("replica")
-    assert kernel.addressable_shards[0].data.shape == (8, 512)
-    state = nnx.state((model, opt))
-    total = sum(leaf.nbytes for leaf in jax.tree.leaves(state))
-    per_device: dict[Any, int] = {}
-    for leaf in jax.tree.leaves(state):
-        for shard in leaf.addressable_shards:
-            per_device[shard.device] = per_device.get(shard.device, 0) + shard.data.nbytes
-    assert max(per_device.values()) <= 1.05 * total / 8
-    assert memory.argument_size_in_bytes < total / 4
-    # The same 10 adamw steps on one device, in plain JAX (loss rtol 1e-5; parameters atol
-    # 1e-5: adamw divides by sqrt(nu), which magnifies rounding of near-zero gradients).
-    x = scope["x"]
-    y = np.sin(x)
-    ref_model = nnx.Sequential(
-        nnx.Linear(64, 512, rngs=nnx.Rngs(0)), nnx.tanh, nnx.Linear(512, 64, rngs=nnx.Rngs(1))
-    )
-    graphdef, params = nnx.split(ref_model, nnx.Param)
-    tx = optax.adamw(1e-3)
-    opt_state = tx.init(params)
-
-    def loss_fn(p):
-        return jnp.mean(jnp.sum((nnx.merge(graphdef, p)(x) - y) ** 2, axis=-1))
-
-    for _ in range(10):
-        loss, grads = jax.value_and_grad(loss_fn)(params)
-        updates, opt_state = tx.update(grads, opt_state, params)
-        params = optax.apply_updates(params, updates)
-    np.testing.assert_allclose(float(scope["loss"]), float(loss), rtol=1e-5, atol=1e-6)
-    got_params = jax.tree.leaves(nnx.state(model, nnx.Param))
-    for got, want in zip(got_params, jax.tree.leaves(params), strict=True):
-        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(240)
-def test_preemption_snippet_resumes_through_the_launcher(tmp_path: pathlib.Path) -> None:
-    """The script, SIGTERMed mid-training under the launcher, saves, is restarted, resumes at
-    the saved step and ends with the weights of an uninterrupted run, bit for bit."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_", "XLA_"))}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
-    launch = [sys.executable, "-m", "jaxdist.launch", "--max-restarts", "1"]
-    snippet = _block("preemption")
-    assert "time.sleep(0.05)" in snippet
-    fast = tmp_path / "fast.py"  # the same script without the pause, never stopped
-    fast.write_text(snippet.replace("time.sleep(0.05)", "time.sleep(0)"))
-    ref = subprocess.run(
-        [*launch, str(fast), str(tmp_path / "ref")],
-        env=env, cwd=REPO, capture_output=True, text=True, timeout=200,
-    )  # fmt: skip
-    assert ref.returncode == 0, ref.stderr[-3000:]
-    done = re.findall(r"^\[0\] done: w = (\[.*\])$", ref.stdout, re.M)
-    assert len(done) == 1, ref.stdout[-2000:]
-    # y = x @ [1, -2, 0.5, 3] exactly: 100 SGD steps get close (atol 1e-3).
-    np.testing.assert_allclose(json.loads(done[0]), [1.0, -2.0, 0.5, 3.0], atol=1e-3)
-
-    script = tmp_path / "preempt_demo.py"
-    script.write_text(snippet)
-    job = subprocess.Popen(
-        [*launch, str(script), str(tmp_path / "ckpt")],
-        env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )  # fmt: skip
-    try:
-        assert job.stdout is not None
-        lines = []
-        for line in job.stdout:
-            lines.append(line)
-            if m := re.match(r"\[0\] pid (\d+): starting at step 0$", line):
-                time.sleep(1.5)  # some steps in, far from the end (100 steps of 50 ms or more)
-                os.kill(int(m[1]), signal.SIGTERM)
-        out = "".join(lines)
-        assert job.wait(timeout=60) == 0, out[-3000:]
-    finally:
-        if job.poll() is None:
-            job.kill()
-            job.wait()
-        if job.stdout is not None:
-            job.stdout.close()
-    saved = re.findall(r"saved .*ckpt-1 after run\(\) call (\d+); calling exit_fn", out)
-    assert len(saved) == 1 and 0 < int(saved[0]) < 100, out[-3000:]
-    assert "process 0 exited with code 42 (first failure: preempted); process 0 got the" in out
-    assert re.search(rf"^\[0\] pid \d+: starting at step {saved[0]}$", out, re.M), out[-3000:]
-    assert re.findall(r"^\[0\] done: w = (\[.*\])$", out, re.M) == done  # bit for bit
-
-
 def test_demo_loss_falls() -> None:
     from jaxdist.examples import train_mlp
 
@@ -346,157 +106,30 @@ def test_demo_loss_falls() -> None:
     assert last < first
 
 
-# The prose ---------------------------------------------------------------------------
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(240)
-@pytest.mark.filterwarnings(r"ignore:os\.fork\(\) was called:RuntimeWarning")  # fork + exec
-def test_parameter_servers_snippet_trains() -> None:
-    """Async SGD on noiseless data: w reaches the true weights (1e-3), and the ON_READ
-    counter counts every closure once (no worker died)."""
-    ray = pytest.importorskip("ray")
-    started = not ray.is_initialized()
-    scope: dict[str, Any] = {}
-    try:
-        scope = _run("parameter_servers")
-        np.testing.assert_allclose(np.asarray(scope["w"]), [1.0, -2.0, 0.5], atol=1e-3)
-        assert int(scope["steps"]) == 300
-        assert float(scope["losses"][-1].fetch()[2]) < 1e-5
-    finally:
-        if "strategy" in scope:
-            scope["strategy"]._shutdown()
-        if started and ray.is_initialized():
-            ray.shutdown()  # the runtime jaxdist started for the snippet
-
-
-def _resolve(dotted: str) -> Any:
-    obj: Any = jd
-    for part in dotted.split("."):
-        obj = getattr(obj, part)
-    return obj
-
-
 def test_every_jd_name_in_the_readme_exists() -> None:
     names = sorted(set(re.findall(r"\bjd\.([A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z_]\w*)*)", README)))
-    assert "fit" in names and "experimental.CommunicationOptions" in names
+    assert "MirroredStrategy" in names and "ReduceOp.SUM" in names
     missing = []
     for name in names:
+        obj: Any = jd
         try:
-            _resolve(name)
+            for part in name.split("."):
+                obj = getattr(obj, part)
         except AttributeError:
             missing.append(name)
     assert not missing, f"README.md mentions jd.{missing}, which jaxdist does not define"
 
 
-# (where, name) for what the README's tf.distribute table lists as "not yet".
-NOT_YET = [
-    (jd, "get_loss_reduction"),
-    (jd.experimental, "CollectiveCommunication"),
-    (jd.experimental, "rpc"),
-    (jd.cluster_resolver, "GCEClusterResolver"),
-    (jd.Strategy, "make_dataset_iterator"),
-    (jd.Strategy, "make_input_fn_iterator"),
-    (jd.ReplicaContext, "experimental_logical_device"),
-    (jd.TPUStrategy().extended, "experimental_logical_device"),
-    (jd.StrategyExtended, "update_non_slot"),
-    (jd.StrategyExtended, "non_slot_devices"),
-    (jd.StrategyExtended, "read_var"),
-    (jd.CrossDeviceOps, "reduce_implementation"),
-]
-
-
-@pytest.mark.parametrize(("where", "name"), NOT_YET, ids=[n for _, n in NOT_YET])
-def test_names_the_readme_lists_as_not_yet_are_absent(where: Any, name: str) -> None:
-    assert re.search(rf"\b{name}\b", README), f"README.md does not mention {name}"
-    assert not hasattr(where, name), (
-        f"{getattr(where, '__name__', where)}.{name} exists now, but README.md's tf.distribute "
-        "table says 'not yet': update the table (and NOT_YET in tests/package/test_readme.py)."
-    )
-
-
-def test_static_shapes_row_matches_the_code() -> None:
-    value = jd.MirroredStrategy().extended.experimental_require_static_shapes
-    row = next(
-        line for line in README.splitlines() if "experimental_require_static_shapes` |" in line
-    )
-    assert f"`{value}`" in row, (value, row)
-
-
 def test_feature_table_points_at_existing_test_files() -> None:
     table = README[README.index("## Features") : README.index("## Benchmarks")]
     named = set(re.findall(r"`((?:[a-z_]+/)*test_[a-z_]+\.py)`", table))  # paths under tests/
-    assert "training/fit/test_fit.py" in named
+    assert "training/fit/test_fit.py" in named and "package/test_guides.py" in named
     missing = sorted(n for n in named if not (REPO / "tests" / n).exists())
     assert not missing, f"README.md's feature table names missing test files {missing}"
 
 
-def test_environment_variables_named_in_the_readme_exist() -> None:
-    source = "".join(p.read_text() for p in (REPO / "jaxdist").rglob("*.py"))
-    named = set(re.findall(r"\bJAXDIST_[A-Z_]+\b", README))
-    assert "JAXDIST_HEARTBEAT_TIMEOUT" in named
-    assert not sorted(n for n in named if n not in source)
-
-
-def test_launch_commands_and_options_are_real() -> None:
-    from jaxdist.launch.cli import _parser
-
-    options = set(re.findall(r"(--[a-z][a-z-]+)", _parser("jaxdist-launch").format_help()))
-    commands = re.findall(r"^(?:python -m jaxdist\.launch|jaxdist-launch) (.*)$", README, re.M)
-    assert len(commands) == 3
-    for command in commands:
-        for flag in re.findall(r"(--[a-z][a-z-]+)", command.split(" train.py")[0]):
-            assert flag in options, flag
-    prose = README[README.index("## Many processes") : README.index("## Variables")]
-    for flag in re.findall(r"`(--[a-z][a-z-]+)[` ]", prose):  # not XLA's --xla_... flags
-        assert flag in options, flag
-
-
 def test_make_targets_exist() -> None:
-    makefile = (REPO / "Makefile").read_text()
-    for target in ("demo", "test"):
+    makefile = read(REPO / "Makefile")
+    for target in ("demo", "test", "docs"):
         assert re.search(rf"^{target}:", makefile, re.M), target
         assert f"make {target}" in README
-
-
-def _flip_middle_byte_of_largest_data_file(directory: str) -> None:
-    files = [
-        f
-        for f in glob.glob(os.path.join(directory, "**", "d", "*"), recursive=True)
-        if os.path.isfile(f)
-    ]
-    target = max(files, key=os.path.getsize)
-    data = bytearray(pathlib.Path(target).read_bytes())
-    data[len(data) // 2] ^= 0xFF
-    pathlib.Path(target).write_bytes(bytes(data))
-
-
-@ORBAX_CLOSED_LOOP
-def test_checkpoint_claims_hold_for_a_flipped_byte() -> None:
-    """README: `jd.checkpoint.restore` and `jd.training.restore_checkpoint` both detect a
-    flipped data byte."""
-    values = jnp.arange(100_000, dtype=jnp.float32)
-    with tempfile.TemporaryDirectory() as tmp:
-        jd.checkpoint.save(os.path.join(tmp, "plain"), {"w": values})
-        _flip_middle_byte_of_largest_data_file(os.path.join(tmp, "plain"))
-        with pytest.raises(
-            ValueError,
-            match=r"jaxdist\.checkpoint\.restore: leaf \['w'\].*does not match its manifest",
-        ):
-            jd.checkpoint.restore(os.path.join(tmp, "plain"), {"w": jnp.zeros_like(values)})
-
-        loop = jd.training.FitLoop(jd.get_strategy(), ({"w": values},), (True,), step=1)
-        ckpt = jd.training.Checkpoint(os.path.join(tmp, "fit"), async_write=False)
-        ckpt.set_loop(loop)
-        ckpt.save()
-        ckpt.close()
-        intact = jd.training.restore_checkpoint(ckpt.directory, {"w": jnp.zeros(100_000)})
-        np.testing.assert_array_equal(np.asarray(intact.state["w"]), np.asarray(values))
-        _flip_middle_byte_of_largest_data_file(ckpt.directory)
-        with pytest.raises(
-            ValueError,
-            match=r"jaxdist\.training\.restore_checkpoint: the checkpoint .*fit.ckpt-1 cannot be "
-            r"restored: .*leaf \['items'\]\['state_0'\]\['w'\] of the checkpoint in .*fit.ckpt-1 "
-            r"does not match its manifest: sha256 is",
-        ):
-            jd.training.restore_checkpoint(ckpt.directory, {"w": jnp.zeros(100_000)})

@@ -91,7 +91,7 @@ class ClusterCoordinator:
         strategy: the `ParameterServerStrategy`. A second coordinator for the same strategy
             is the first one.
 
-    Example (needs the ``[ps]`` extra; see the README's "Parameter servers" section)::
+    Example (needs the ``[ps]`` extra; see docs/guides/parameter_servers.md)::
 
         coordinator = jd.experimental.coordinator.ClusterCoordinator(strategy)
         result = coordinator.schedule(step, args=(w, per_worker_iterator))

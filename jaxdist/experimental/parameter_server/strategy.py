@@ -26,6 +26,7 @@ from jaxdist._scope import strategy_scope
 from jaxdist.experimental.parameter_server._cluster import task_counts, task_device
 from jaxdist.experimental.parameter_server._ray import actor_env, ensure_ray, ray
 from jaxdist.experimental.parameter_server.ps import ParameterServer
+from jaxdist.experimental.parameter_server.updates import RecordingUpdates
 from jaxdist.experimental.parameter_server.variables import (
     ParameterServerVariable,
     ShardedParameterServerVariable,
@@ -70,8 +71,10 @@ class ScheduledFunction:
         return (ScheduledFunction, (self.fn, self.options, None))
 
     def compile_for(self, local_strategy: Any) -> Any:
-        """The function compiled for ``local_strategy`` (called by the worker that runs it)."""
-        return local_strategy.function(self.fn, options=self.options)
+        """The function compiled for ``local_strategy`` (called by the worker that runs it):
+        it returns ``(fn's result, ClosureUpdates)``, the updates ``fn`` made with
+        ``ctx.assign*`` (see `jaxdist.experimental.parameter_server.updates`)."""
+        return local_strategy.function(RecordingUpdates(self.fn), options=self.options)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         raise RuntimeError(

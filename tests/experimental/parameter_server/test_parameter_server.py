@@ -85,6 +85,8 @@ def _least_squares_problem() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 
 
 def _sgd_step(strategy: Any, lr: float) -> Any:
+    """A step that returns the variables it updates (jaxdist's functional habit)."""
+
     def step(ctx: Any, w: Any, b: Any, count: Any, x: Any, y: Any) -> Any:
         def loss(w: Any, b: Any) -> Any:
             return jnp.mean((x @ w + b - y) ** 2)
@@ -96,6 +98,22 @@ def _sgd_step(strategy: Any, lr: float) -> Any:
             ctx.assign_add(count, 1),
             value,
         )
+
+    return strategy.function(step)
+
+
+def _tf_style_step(strategy: Any, lr: float) -> Any:
+    """TF's step: the updates go through ctx.assign*, only the loss is returned."""
+
+    def step(ctx: Any, w: Any, b: Any, count: Any, x: Any, y: Any) -> Any:
+        def loss(w: Any, b: Any) -> Any:
+            return jnp.mean((x @ w + b - y) ** 2)
+
+        value, (gw, gb) = jax.value_and_grad(loss, argnums=(0, 1))(w.read_value(), b.read_value())
+        ctx.assign_sub(w, lr * gw)  # w is a ShardedVariable (FixedShardsPartitioner(2))
+        ctx.assign_sub(b, lr * gb)
+        ctx.assign_add(count, 1)
+        return value
 
     return strategy.function(step)
 
@@ -159,18 +177,40 @@ def test_schedule_refuses_uncompiled_functions_and_remote_values(strategy: Any) 
 
 def test_async_sgd_converges_to_least_squares(strategy: Any) -> None:
     x, y, solution = _least_squares_problem()
-    w, b, count = _model(strategy)
     c = ClusterCoordinator(strategy)
-    step = _sgd_step(strategy, lr=0.1)
-    results = [c.schedule(step, args=(w, b, count, x, y)) for _ in range(150)]
-    c.join()
-    losses = [float(r.fetch()[3]) for r in results]
-    assert losses[-1] < losses[0]
-    np.testing.assert_allclose(np.asarray(w), solution[:4], atol=1e-3)
-    np.testing.assert_allclose(float(b), solution[4], atol=1e-3)
-    assert int(count) == 150  # every closure ran exactly once (no worker died)
+    # TF's step (updates through ctx.assign*, nothing returned) and jaxdist's (the updated
+    # variables returned as well): each update is applied once either way.
+    for returns in (False, True):
+        w, b, count = _model(strategy)
+        step = (_sgd_step if returns else _tf_style_step)(strategy, lr=0.1)
+        results = [c.schedule(step, args=(w, b, count, x, y)) for _ in range(150)]
+        c.join()
+        losses = [float(r.fetch()[3] if returns else r.fetch()) for r in results]
+        assert losses[-1] < losses[0]
+        np.testing.assert_allclose(np.asarray(w), solution[:4], atol=1e-3)
+        np.testing.assert_allclose(float(b), solution[4], atol=1e-3)
+        assert int(count) == 150  # every closure ran exactly once (no worker died)
     fetched = results[0].fetch()
     assert fetched[0] is not None and fetched[0].variables[0].device.startswith("/job:ps")
+
+
+def test_basic_variable_assignment(strategy: Any) -> None:
+    """TF's BasicVariableAssignment: assign_add / assign_sub inside the scheduled function
+    reach the parameter servers; the function returns a plain value."""
+    with strategy.scope():
+        v1 = jd.Variable(0.0)
+        v2 = jd.Variable(1.0)
+
+    @strategy.function
+    def worker_fn(ctx: Any, v1: Any, v2: Any) -> Any:
+        a = ctx.assign_add(v1, 0.1)
+        b = v2.assign_sub(0.2)  # the variable's own method goes through the same context
+        return a.read_value() / b.read_value()
+
+    c = ClusterCoordinator(strategy)
+    result = c.schedule(worker_fn, args=(v1, v2))
+    assert abs(float(c.fetch(result)) - 0.125) < 1e-6
+    assert abs(float(v1) - 0.1) < 1e-6 and abs(float(v2) - 0.8) < 1e-6
 
 
 def test_killed_worker_closures_rescheduled_and_worker_restarted(strategy: Any) -> None:
@@ -307,20 +347,26 @@ def test_current_worker_index(strategy: Any) -> None:
         index()
 
 
-def test_on_read_and_only_first_replica_counts(strategy: Any) -> None:
+def test_variable_aggregation_counts(strategy: Any) -> None:
+    """TF's VariableAggregation: counters updated with ctx.assign_add only (nothing
+    returned) count every closure, whatever their aggregation (one replica per worker)."""
     with strategy.scope():
         on_read = jd.Variable(0, synchronization="on_read", aggregation="sum", trainable=False)
         first = jd.Variable(0.0, aggregation="only_first_replica")
+        mean = jd.Variable(0.0, aggregation="mean")
     c = ClusterCoordinator(strategy)
 
     @strategy.function
-    def count(ctx: Any, a: Any, b: Any) -> Any:
-        return ctx.assign_add(a, 1), ctx.assign_add(b, 1.0)
+    def count(ctx: Any, a: Any, b: Any, m: Any) -> Any:
+        ctx.assign_add(a, 1)
+        ctx.assign_add(b, 1.0)
+        ctx.assign_add(m, 0.5)
+        return jnp.float32(0.0)
 
     for _ in range(20):
-        c.schedule(count, args=(on_read, first))
+        c.schedule(count, args=(on_read, first, mean))
     c.join()
-    assert int(on_read) == 20 and float(first) == 20.0
+    assert int(on_read) == 20 and float(first) == 20.0 and float(mean) == 10.0
     # A plain jax.jit closure updates variables through their own methods.
     add = jax.jit(lambda v, x: v.assign_add(x))
     for _ in range(5):

@@ -16,13 +16,14 @@ index is the current worker index (`coordinator_context`).
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from typing import Any
 
 import jax
 import numpy as np
 
 from jaxdist.experimental.parameter_server._ray import RayActorError, cloudpickle, ray
-from jaxdist.experimental.parameter_server.coordinator_context import dispatch
+from jaxdist.experimental.parameter_server.coordinator_context import dispatch, set_worker_view
 from jaxdist.experimental.parameter_server.updates import ClosureUpdates
 from jaxdist.experimental.parameter_server.values import PerWorkerIterator
 from jaxdist.experimental.parameter_server.variables import (
@@ -46,8 +47,10 @@ def _is_marker(x: Any) -> bool:
 class Worker:
     """One ``worker`` task."""
 
-    def __init__(self, task_index: int) -> None:
+    def __init__(self, task_index: int, strategy_view: Callable[[], Any]) -> None:
         self._task_index = task_index
+        # A ParameterServerStrategy pickled into a closure is this worker's view of it.
+        set_worker_view(strategy_view())
         self._strategy = OneDeviceStrategy(jax.devices("cpu")[0])
         # function key -> (callable compiled here, whether it returns recorded updates)
         self._functions: dict[str, tuple[Any, bool]] = {}
@@ -117,7 +120,7 @@ class Worker:
     def _local(self, h: Any, values: dict[int, np.ndarray], old: dict[str, Any]) -> Any:
         def one(v: ParameterServerVariable) -> Variable:
             value = values[v.var_id]
-            old[v.name] = (v, value)
+            old[str(v.name)] = (v, value)
             return Variable(
                 value,
                 synchronization=v.synchronization,
@@ -181,6 +184,8 @@ class Worker:
         logged = recorded.sets.keys() | recorded.adds.keys()
 
         def back(x: Any) -> Any:
+            if isinstance(x, _HANDLES):  # a handle the closure captured: as it is
+                return x
             if isinstance(x, ShardedVariable):
                 return ShardedParameterServerVariable(
                     tuple(back(v) for v in x.variables), name=x.name or ""

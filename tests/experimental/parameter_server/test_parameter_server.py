@@ -9,8 +9,10 @@ closures (integers).
 from __future__ import annotations
 
 import concurrent.futures
+import copy
 import itertools
 import os
+import pickle
 import signal
 import subprocess
 import sys
@@ -143,6 +145,19 @@ def test_strategy_and_variables(strategy: Any) -> None:
         t = jd.Variable(
             np.arange(20, dtype=np.float32).reshape(10, 2), partitioner=FixedShardsPartitioner(3)
         )
+    # TF's contract: a tf.distribute.Strategy holding tf.Variables (a ShardedVariable when
+    # partitioned).
+    assert isinstance(strategy, jd.Strategy) and strategy.num_replicas_in_sync == 1
+    assert isinstance(a, jd.Variable) and isinstance(t, jd.experimental.ShardedVariable)
+    assert all(isinstance(v, jd.Variable) for v in t.variables)
+    assert strategy.extended.variable_created_in_scope(a) and a.strategy is strategy
+    assert strategy.extended.parameter_devices == (
+        "/job:ps/replica:0/task:0",
+        "/job:ps/replica:0/task:1",
+    )
+    assert copy.deepcopy(a) is a and pickle.loads(pickle.dumps(a)).strategy is strategy
+    with pytest.raises(RuntimeError, match=r"ParameterServerStrategy.run: .* runs on a worker"):
+        strategy.run(lambda ctx: 1.0)
     assert a.name == "a" and b.name == "a_1"
     assert {a.device, b.device} == {"/job:ps/replica:0/task:0", "/job:ps/replica:0/task:1"}
     assert [v.shape for v in t.variables] == [(4, 2), (3, 2), (3, 2)]
@@ -345,6 +360,60 @@ def test_current_worker_index(strategy: Any) -> None:
     assert all(i == element == want for i, element, want in got), got
     with pytest.raises(RuntimeError, match="no worker closure is running here"):
         index()
+
+
+def test_run_and_reduce_with_assign_add(strategy: Any) -> None:
+    """TF's RunAndReduce and RunAndReduceWithAssignAdd: strategy.run and strategy.reduce
+    inside the scheduled function, an update made in the inner replica function, and
+    reduce / experimental_local_results of the fetched result in the coordinator.
+    Reference: 3 + 1 = 4 from every closure, and one update per closure (exact)."""
+    with strategy.scope():
+        v = jd.Variable(1.0)
+        v1 = jd.Variable(0.0, aggregation="only_first_replica")
+
+    @strategy.function
+    def worker_fn(ctx: Any, v: Any, v1: Any, x: Any) -> Any:
+        def replica_fn(ctx: Any, x: Any) -> Any:
+            v1.assign_add(1.0)
+            return x + v.read_value()
+
+        run_result = strategy.run(replica_fn, args=(x,))
+        return strategy.reduce("sum", run_result, axis=None)
+
+    c = ClusterCoordinator(strategy)
+    results = [c.schedule(worker_fn, args=(v, v1, np.float32(3.0))) for _ in range(3)]
+    c.join()
+    assert [float(r.fetch()) for r in results] == [4.0] * 3
+    fetched = results[-1].fetch()
+    assert float(strategy.reduce("sum", fetched, axis=None)) == 4.0
+    assert [float(x) for x in strategy.experimental_local_results(fetched)] == [4.0]
+    assert float(v1) == 3.0 and float(v) == 1.0
+
+
+def test_distribute_datasets_from_function_on_workers(strategy: Any) -> None:
+    """TF's input recipe: create_per_worker_dataset(lambda: strategy.
+    distribute_datasets_from_function(dataset_fn)); each worker's pipeline starts at its
+    first batch. Reference: the batches' sums, per worker in order."""
+    c = ClusterCoordinator(strategy)
+
+    def dataset_fn(input_context: Any) -> Any:
+        batch = input_context.get_per_replica_batch_size(4)
+        return (np.full((batch,), i, np.float32) for i in range(100))
+
+    iterator = iter(
+        c.create_per_worker_dataset(lambda: strategy.distribute_datasets_from_function(dataset_fn))
+    )
+    total = strategy.function(
+        lambda ctx, batch: (jnp.sum(batch), jd.coordinator.experimental_get_current_worker_index())
+    )
+    results = [c.schedule(total, args=(iterator,)) for _ in range(9)]
+    c.join()
+    per_worker: dict[int, list[float]] = {}
+    for r in results:
+        value, worker = r.fetch()
+        per_worker.setdefault(int(worker), []).append(float(value))
+    for sums in per_worker.values():
+        assert sums == [4.0 * i for i in range(len(sums))]
 
 
 def test_variable_aggregation_counts(strategy: Any) -> None:

@@ -16,6 +16,7 @@ from jaxdist.experimental.parameter_server.values import (
     ClosureCancelledError,
     PerWorkerValues,
     RemoteValue,
+    WorkerLossError,
 )
 from jaxdist.experimental.parameter_server.variables import (
     ParameterServerUnavailableError,
@@ -33,4 +34,5 @@ __all__ = [
     "RemoteValue",
     "Server",
     "ShardedParameterServerVariable",
+    "WorkerLossError",
 ]

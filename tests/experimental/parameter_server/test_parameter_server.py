@@ -11,11 +11,13 @@ from __future__ import annotations
 import concurrent.futures
 import copy
 import itertools
+import logging
 import os
 import pickle
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -251,54 +253,113 @@ def test_killed_worker_closures_rescheduled_and_worker_restarted(strategy: Any) 
     np.testing.assert_allclose(float(b), solution[4], atol=1e-3)
 
 
-def test_error_raised_once_queued_closures_cancelled(strategy: Any, tmp_path: Any) -> None:
-    c = ClusterCoordinator(strategy)
-    # The failing closure fails only once every later closure is queued (else schedule()
-    # itself may raise the error first, as it should, and the test would race).
-    gate = str(tmp_path / "fail-now")
+def _wait_for(condition: Any, what: str, timeout: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.01)
 
-    @strategy.function
-    def fails(ctx: Any, x: Any) -> Any:
-        if x.shape[0] == 1:
-            deadline = time.monotonic() + 120
-            while not os.path.exists(gate) and time.monotonic() < deadline:
-                time.sleep(0.01)
-            raise ValueError("boom from the closure")
+
+def _ping(actor: Any) -> int | None:
+    """The actor's process id, or None while Ray restarts it."""
+    try:
+        return int(ray.get(actor.ping.remote(), timeout=30))
+    except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+        return None
+
+
+def _gated(gate: str, message: str | None) -> Any:
+    """A function that, when traced on a worker, waits for the file ``gate`` and then
+    raises ``message`` (``None``: returns the sum). Each argument shape traces anew."""
+
+    def fn(ctx: Any, x: Any) -> Any:
+        deadline = time.monotonic() + 120
+        while not os.path.exists(gate) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        if message is not None:
+            raise ValueError(message)
         return jnp.sum(x)
 
-    @strategy.function
-    def slow(ctx: Any, m: Any) -> Any:
-        for _ in range(8):
-            m = jnp.tanh(m @ m)
-        return jnp.sum(m)
+    return fn
 
+
+def test_cancellation_and_in_flight_errors_are_one_error(strategy: Any, tmp_path: Any) -> None:
+    """TF's Cancellation and its error rules: the first error is raised once, by join, only
+    when no closure runs; another closure failing meanwhile is part of that error (a note),
+    not raised again; the queued closures are cancelled; the running ones finish."""
+    c = ClusterCoordinator(strategy)
+    first_gate, others_gate = str(tmp_path / "first"), str(tmp_path / "others")
+    fails = strategy.function(_gated(first_gate, "boom from the closure"))
+    fails_too = strategy.function(_gated(others_gate, "second boom"))
+    finishes = strategy.function(_gated(others_gate, None))
     first = c.schedule(fails, args=(np.ones(1, np.float32),))
-    later = [c.schedule(slow, args=(np.eye(200, dtype=np.float32),)) for _ in range(60)]
-    open(gate, "w").close()
-    with pytest.raises(ValueError, match="boom from the closure"):
-        c.join()
-    c.join()  # raised once, then cleared
-    assert c.done()
-    with pytest.raises(ValueError, match="boom"):
-        first.fetch()
-    cancelled = 0
-    for r in later:
-        try:
+    second = c.schedule(fails_too, args=(np.ones(2, np.float32),))
+    running_ok = c.schedule(finishes, args=(np.ones(3, np.float32),))
+    _wait_for(lambda: len(c._queue._running) == 3, "every worker to be busy")
+    queued = [c.schedule(finishes, args=(np.ones(4, np.float32),)) for _ in range(10)]
+    open(first_gate, "w").close()
+    _wait_for(lambda: c._queue._error is not None, "the first error")
+    for r in queued:  # cancelled at once, never run
+        with pytest.raises(concurrent.futures.CancelledError, match="cancel"):
             r.fetch()
-        except concurrent.futures.CancelledError as e:
-            assert "cancel" in str(e)
-            cancelled += 1
-    assert cancelled >= 1
-    # Scheduling works again, and schedule() itself raises a pending error once.
-    c.schedule(fails, args=(np.ones(1, np.float32),))
-    deadline = time.monotonic() + 60
-    while c._queue._error is None and time.monotonic() < deadline:
-        time.sleep(0.01)
-    with pytest.raises(ValueError, match="boom"):
-        c.schedule(fails, args=(np.ones(2, np.float32),))
-    ok = c.schedule(fails, args=(np.ones(2, np.float32),))
+    assert len(c._queue._running) == 2 and not c._queue._queue
+    open(others_gate, "w").close()
+    with pytest.raises(ValueError, match="boom from the closure") as raised:
+        c.join()
+    assert "second boom" in "".join(getattr(raised.value, "__notes__", []))
+    c.join()  # raised once, then cleared: the second failure is not raised again
+    assert c.done()
+    with pytest.raises(ValueError, match="second boom"):
+        second.fetch()
+    assert float(running_ok.fetch()) == 3.0
+    with pytest.raises(ValueError, match="boom from the closure"):
+        first.fetch()
+
+
+def test_schedule_raise_error_with_multiple_failure(strategy: Any) -> None:
+    """TF's ScheduleRaiseErrorWithMultipleFailure: schedule raises the error once; the
+    failures of closures scheduled meanwhile are not raised again by join; scheduling then
+    works."""
+    c = ClusterCoordinator(strategy)
+    normal = strategy.function(lambda ctx, x: jnp.sum(x))
+
+    @strategy.function
+    def error_fn(ctx: Any, x: Any) -> Any:
+        raise ValueError("error_fn failed")
+
+    for _ in range(3):
+        c.schedule(normal, args=(np.ones(2, np.float32),))
+    c.schedule(error_fn, args=(np.ones(2, np.float32),))
+    deadline = time.monotonic() + 120
+    with pytest.raises(ValueError, match="error_fn failed"):
+        while time.monotonic() < deadline:
+            c.schedule(error_fn, args=(np.ones(2, np.float32),))
+    c.join()  # nothing more to raise
+    ok = c.schedule(normal, args=(np.ones(2, np.float32),))
     c.join()
     assert float(ok.fetch()) == 2.0
+
+
+def test_join_logs_long_running_closures(strategy: Any, tmp_path: Any, caplog: Any) -> None:
+    """While join waits, the closures running for log_interval seconds are logged with
+    their workers every log_interval seconds (60 s by default)."""
+    c = ClusterCoordinator(strategy)
+    gate = str(tmp_path / "go")
+    slow = strategy.function(_gated(gate, None))
+    assert c.log_interval == 60.0
+    c.log_interval = 0.3
+    try:
+        rv = c.schedule(slow, args=(np.ones(5, np.float32),))
+        threading.Timer(2.0, lambda: open(gate, "w").close()).start()
+        with caplog.at_level(logging.WARNING, logger="jaxdist.parameter_server"):
+            c.join()
+    finally:
+        c.log_interval = 60.0
+    assert float(rv.fetch()) == 5.0
+    lines = [r.getMessage() for r in caplog.records if "waiting for 1 closure" in r.getMessage()]
+    assert len(lines) >= 2, caplog.text
+    assert "_gated.<locals>.fn' (test_parameter_server.py:" in lines[0]
+    assert "on /job:worker/replica:0/task:" in lines[0]
 
 
 def test_fetch_keeps_nested_structures(strategy: Any) -> None:
@@ -549,11 +610,75 @@ def test_every_worker_gone_fails_the_queue(ray_runtime: None) -> None:
         noop = jax.jit(lambda x: x + 1)
         assert float(c.schedule(noop, args=(np.float32(1.0),)).fetch()) == 2.0
         ray.kill(s.extended.worker_actors[0], no_restart=True)
-        pending = [c.schedule(noop, args=(np.float32(1.0),)) for _ in range(3)]
+        pending: list[Any] = []
         with pytest.raises(RuntimeError, match=r"every worker task \(/job:worker\) is gone"):
+            for _ in range(3):  # schedule raises it once the first closure found no worker
+                pending.append(c.schedule(noop, args=(np.float32(1.0),)))
             c.join()
+        assert pending
         for r in pending:
             with pytest.raises(RuntimeError, match="every worker task"):
                 r.fetch()
+    finally:
+        s._shutdown()
+
+
+def test_worker_preemption_between_functions(ray_runtime: None) -> None:
+    """TF's WorkerPreemptionBetweenFunctions: a worker killed while idle is restarted; the
+    closures scheduled after it all run, each exactly once (none ran on the dead worker)."""
+    s = jd.experimental.ParameterServerStrategy(_resolver(2, 1))
+    try:
+        with s.scope():
+            count = jd.Variable(0, aggregation="sum")
+        c = ClusterCoordinator(s)
+        step = s.function(lambda ctx, v: ctx.assign_add(v, 1))
+        c.schedule(step, args=(count,))
+        c.join()
+        victim = s.extended.worker_actors[0]
+        pid = ray.get(victim.ping.remote())
+        ray.kill(victim, no_restart=False)
+        for _ in range(30):
+            c.schedule(step, args=(count,))
+        c.join()
+        assert int(count) == 31
+        _wait_for(lambda: _ping(victim) not in (None, pid), "the worker's restart")
+    finally:
+        s._shutdown()
+
+
+def test_closure_that_kills_its_worker_fails_join(ray_runtime: None, caplog: Any) -> None:
+    """A closure that crashes its worker every time (os._exit) is rescheduled
+    MAX_WORKER_LOSSES times, then join raises WorkerLossError naming it and the workers,
+    well within 60 s; each death and rescheduling is logged."""
+    from jaxdist.experimental.parameter_server import WorkerLossError
+    from jaxdist.experimental.parameter_server.coordinator import MAX_WORKER_LOSSES
+
+    s = jd.experimental.ParameterServerStrategy(_resolver(2, 1))
+    try:
+        c = ClusterCoordinator(s)
+
+        @s.function
+        def crash(ctx: Any, x: Any) -> Any:
+            os._exit(3)
+
+        start = time.monotonic()
+        with caplog.at_level(logging.WARNING, logger="jaxdist.parameter_server"):
+            rv = c.schedule(crash, args=(np.ones(2, np.float32),))
+            with pytest.raises(WorkerLossError) as raised:
+                c.join()
+        assert time.monotonic() - start < 60
+        message = str(raised.value)
+        assert "closure 'test_closure_that_kills_its_worker_fails_join.<locals>.crash'" in message
+        assert f"died each of the {MAX_WORKER_LOSSES + 1} times" in message
+        assert message.count("/job:worker/replica:0/task:") == MAX_WORKER_LOSSES + 1
+        with pytest.raises(WorkerLossError):
+            rv.fetch()
+        text = caplog.text
+        assert text.count("died while running closure") == MAX_WORKER_LOSSES + 1
+        assert text.count("rescheduling closure") == MAX_WORKER_LOSSES
+        # The workers come back: scheduling works again.
+        ok = c.schedule(jax.jit(lambda x: x + 1), args=(np.float32(1.0),))
+        c.join()
+        assert float(ok.fetch()) == 2.0
     finally:
         s._shutdown()

@@ -232,8 +232,9 @@ class ShardedVariable(ReadsLikeAnArray):
 
         Raises:
             IndexError: concrete ``indices`` outside ``[0, rows)``. Traced ones
-                are not checked (out-of-range ids are clamped, as ``jnp.take``
-                with ``mode="clip"``).
+                (inside ``jax.jit`` or ``strategy.run``) cannot raise: an
+                out-of-range id there reads a row of zeros, as TF's
+                ``embedding_lookup`` does on GPU and TPU (on CPU TF raises).
         """
         ids = jnp.asarray(indices)
         if not jnp.issubdtype(ids.dtype, jnp.integer):
@@ -262,6 +263,9 @@ class ShardedVariable(ReadsLikeAnArray):
                 continue
             inside = (ids >= bounds[i]).reshape(ids.shape + (1,) * (self.ndim - 1))
             out = jnp.where(inside, rows_i, out)
+        if is_tracer(ids) and out is not None:
+            valid = ((ids >= 0) & (ids < rows)).reshape(ids.shape + (1,) * (self.ndim - 1))
+            out = jnp.where(valid, out, jnp.zeros((), out.dtype))
         return out
 
     # Updates ------------------------------------------------------------------------

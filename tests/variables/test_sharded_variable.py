@@ -328,6 +328,11 @@ def test_sparse_read_as_tf() -> None:
         assert got.shape == (*ids.shape, 1)
     got = jax.jit(lambda s, i: s.sparse_read(i))(sv, jnp.array([21, 0, 12, 22, 10]))
     np.testing.assert_array_equal(got, values[[21, 0, 12, 22, 10]])
+    # Out-of-range ids: eager raises; compiled reads zeros (TF's GPU/TPU embedding_lookup).
+    with pytest.raises(IndexError, match=r"indices in \[-1, 30\]"):
+        sv.sparse_read(np.array([-1, 30]))
+    got = jax.jit(lambda s, i: s.sparse_read(i))(sv, jnp.array([30, 5, -1, 29, 1000]))
+    np.testing.assert_array_equal(got, [[0.0], [5.0], [0.0], [29.0], [0.0]])
 
 
 def test_embedding_lookup_as_tf_and_uneven_shards() -> None:

@@ -34,8 +34,10 @@ example ``JAXDIST_PS_JAX_PLATFORMS=cuda`` for workers with GPUs).
 
 from __future__ import annotations
 
+import importlib
 import os
 import pathlib
+import tempfile
 import warnings
 from typing import Any
 
@@ -54,8 +56,10 @@ __all__ = [
     "RayActorError",
     "RayTaskError",
     "actor_env",
+    "address_file",
     "cloudpickle",
     "ensure_ray",
+    "forget_address",
     "ray",
     "start_local",
 ]
@@ -124,3 +128,27 @@ def actor_env(overrides: dict[str, str] | None = None) -> dict[str, Any]:
     env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(path))
     env.update(overrides or {})
     return {"env_vars": env}
+
+
+def address_file() -> str:
+    """Where ``ray start`` records the cluster it joined (Ray's default temp directory)."""
+    for name in ("ray._common.utils", "ray._private.utils"):  # Ray 2.50+, then older
+        locate = getattr(importlib.import_module(name), "get_ray_address_file", None)
+        if locate is not None:
+            return str(locate(None))
+    return os.path.join(tempfile.gettempdir(), "ray", "ray_current_cluster")
+
+
+def forget_address(address: str) -> None:
+    """Removes ``ray start``'s record of the cluster at ``address`` (``ray_current_cluster``
+    in Ray's temp directory), as ``ray stop`` does, when it still names that cluster: left
+    behind, it makes a later plain ``ray.init(num_cpus=...)`` on this machine try to join
+    the stopped cluster and fail."""
+    path = address_file()
+    try:
+        with open(path) as f:
+            recorded = f.read().strip()
+        if recorded == address.strip():
+            os.remove(path)
+    except OSError:
+        pass

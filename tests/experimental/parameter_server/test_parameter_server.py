@@ -14,9 +14,11 @@ import itertools
 import logging
 import os
 import pickle
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -36,6 +38,7 @@ from jaxdist.experimental.coordinator import (  # noqa: E402
     PerWorkerValues,
     RemoteValue,
 )
+from jaxdist.experimental.parameter_server._ray import address_file  # noqa: E402
 from jaxdist.experimental.partitioners import FixedShardsPartitioner  # noqa: E402
 
 from _helpers import REPO  # noqa: E402
@@ -58,18 +61,36 @@ def _resolver(workers: int, ps: int) -> jd.cluster_resolver.SimpleClusterResolve
 
 @pytest.fixture(scope="module")
 def ray_runtime() -> Iterator[None]:
+    """The module's Ray runtime, its files in a private temporary directory (removed at the
+    end); afterwards Ray's default directory must not name it (a record left there makes a
+    user's later ``ray.init(num_cpus=...)`` try to join the stopped cluster)."""
     started = not ray.is_initialized()
+    temp_dir = tempfile.mkdtemp(prefix="jdray")  # short: Ray's socket paths must fit
+    head = None
     if started:
         ray.init(
             address="local",
             include_dashboard=False,
             num_cpus=2,
             _node_ip_address="127.0.0.1",
+            _temp_dir=temp_dir,
             configure_logging=False,
         )
+        head = ray.get_runtime_context().gcs_address
     yield
     if started:  # the test module's own runtime
         ray.shutdown()
+    shutil.rmtree(temp_dir, ignore_errors=True)
+    assert head is None or _recorded_cluster() != head, f"{address_file()} still names {head}"
+
+
+def _recorded_cluster() -> str | None:
+    """The cluster address `ray start` recorded in Ray's default temp directory, if any."""
+    try:
+        with open(address_file()) as f:
+            return f.read().strip()
+    except OSError:
+        return None
 
 
 @pytest.fixture(scope="module")
@@ -537,8 +558,9 @@ def test_server_joins_this_machine_as_a_task(ray_runtime: None, tmp_path: Any) -
     the strategy places that task's actor on the node the Server started."""
     head = ray.get_runtime_context().gcs_address
     code = (
-        "import sys\n"
+        "import signal, sys\n"
         "from jaxdist.experimental.parameter_server.server import Server\n"
+        "signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # join() then cleans up\n"
         "spec = {'chief': [sys.argv[1]], 'worker': ['w0'], 'ps': ['p0']}\n"
         "server = Server(spec, job_name='worker', task_index=0, config={'num-cpus': 0})\n"
         "print('target', server.target, flush=True)\n"
@@ -585,6 +607,7 @@ def test_server_joins_this_machine_as_a_task(ray_runtime: None, tmp_path: Any) -
         os.killpg(proc.pid, signal.SIGTERM)
         proc.wait(timeout=90)
         log.close()
+    assert _recorded_cluster() != head, "the stopped Server left ray_current_cluster behind"
 
 
 def test_server_arguments() -> None:

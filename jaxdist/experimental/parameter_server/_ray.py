@@ -34,10 +34,8 @@ example ``JAXDIST_PS_JAX_PLATFORMS=cuda`` for workers with GPUs).
 
 from __future__ import annotations
 
-import importlib
 import os
 import pathlib
-import tempfile
 import warnings
 from typing import Any
 
@@ -45,6 +43,13 @@ try:
     import ray
     from ray import cloudpickle
     from ray.exceptions import ActorDiedError, RayActorError, RayTaskError
+
+    try:  # where `ray start` records the cluster it joined: Ray 2.50 and later, then older
+        from ray._common.utils import get_ray_address_file
+    except ImportError:  # pragma: no cover - older Ray
+        from ray._private.utils import (  # type: ignore[attr-defined,no-redef,unused-ignore]
+            get_ray_address_file,
+        )
 except ImportError as e:  # pragma: no cover - exercised only without the extra
     raise ImportError(
         "jaxdist's ParameterServerStrategy runs on Ray, which is not installed; install the "
@@ -132,11 +137,7 @@ def actor_env(overrides: dict[str, str] | None = None) -> dict[str, Any]:
 
 def address_file() -> str:
     """Where ``ray start`` records the cluster it joined (Ray's default temp directory)."""
-    for name in ("ray._common.utils", "ray._private.utils"):  # Ray 2.50+, then older
-        locate = getattr(importlib.import_module(name), "get_ray_address_file", None)
-        if locate is not None:
-            return str(locate(None))
-    return os.path.join(tempfile.gettempdir(), "ray", "ray_current_cluster")
+    return str(get_ray_address_file(None))
 
 
 def forget_address(address: str) -> None:

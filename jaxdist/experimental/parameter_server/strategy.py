@@ -258,7 +258,7 @@ class ParameterServerStrategy(Strategy):
         """The strategy as a worker task sees it (made once by each worker actor): no
         actors; `run`, `reduce` and the input methods run on the worker's device."""
         view = object.__new__(cls)
-        view._setup(-1, None, None, (), (), True)
+        cls._setup(view, -1, None, None, (), (), True)  # no actors: the worker's device
         return view
 
     def extra_key(self) -> tuple[Any, ...]:

@@ -10,9 +10,10 @@ Ray restarts it; each death and each rescheduling is logged (logger
 ``jaxdist.parameter_server``, level WARNING). A closure whose workers died
 ``MAX_WORKER_LOSSES + 1`` times (it kills them itself, most likely) is not retried again:
 it fails with `WorkerLossError` naming it and what happened to each worker, which `join`
-raises as any closure's error. While `join` waits, the closures that have run for
-``log_interval`` seconds (60 by default) are logged every ``log_interval`` seconds with
-their workers. A parameter server that dies is fatal (see
+raises as any closure's error. A closure's error is logged (level ERROR) when it happens,
+as TF does, and raised later by the rules of `closures`. While `join` waits, the closures
+that have run for ``log_interval`` seconds (60 by default) are logged every
+``log_interval`` seconds with their workers. A parameter server that dies is fatal (see
 `jaxdist.experimental.parameter_server.closures` for the error rules).
 """
 
@@ -141,7 +142,8 @@ class ClusterCoordinator:
     def _start(self, strategy: ParameterServerStrategy) -> None:
         self._strategy = strategy
         self._queue = ClosureQueue()
-        self._functions: dict[int, tuple[Any, str, Any]] = {}  # id(fn) -> (fn, key, ref)
+        # id(fn) -> (fn, key, ref, name)
+        self._functions: dict[int, tuple[Any, str, Any, str]] = {}
         self._lock = threading.Lock()
         # Seconds between join()'s lines about long-running closures (None: no lines).
         self.log_interval: float | None = float(
@@ -223,19 +225,21 @@ class ClusterCoordinator:
             structure,
             is_leaf=lambda x: isinstance(x, PerWorkerValues),
         )
-        key, ref = self._function_ref(fn)
-        closure = Closure(key, ref, structure[0], structure[1], name=_describe(fn))
+        key, ref, name = self._function_ref(fn)
+        closure = Closure(key, ref, structure[0], structure[1], name=name)
         self._queue.put(closure)
         return closure.remote_value
 
-    def _function_ref(self, fn: Any) -> tuple[str, Any]:
+    def _function_ref(self, fn: Any) -> tuple[str, Any, str]:
+        """``fn``'s key, its object-store reference and its name for messages (once per
+        function)."""
         with self._lock:
             entry = self._functions.get(id(fn))
             if entry is None or entry[0] is not fn:
                 data = _pickled(fn, fn)
-                entry = (fn, hashlib.sha1(data).hexdigest(), ray.put(data))
+                entry = (fn, hashlib.sha1(data).hexdigest(), ray.put(data), _describe(fn))
                 self._functions[id(fn)] = entry
-            return entry[1], entry[2]
+            return entry[1], entry[2], entry[3]
 
     def join(self) -> None:
         """Waits until every scheduled closure has finished; raises the first error of a
@@ -305,8 +309,10 @@ class ClusterCoordinator:
             except RayTaskError as e:
                 cause = e.cause if isinstance(e.cause, BaseException) else e
                 fatal = isinstance(cause, ParameterServerUnavailableError)
+                _log_failure(closure, index, cause)
                 self._queue.finished(closure, error=cause, fatal=fatal)
             except Exception as e:
+                _log_failure(closure, index, e)
                 self._queue.finished(closure, error=e)
             else:
                 self._queue.finished(closure, result)
@@ -377,6 +383,17 @@ class ClusterCoordinator:
         self._queue.close()
         for t in self._threads:
             t.join(timeout=30)
+
+
+def _log_failure(closure: Closure, index: int, error: BaseException) -> None:
+    """TF's line for a closure's error (logged as it happens; raised later, once)."""
+    _log.error(
+        "ClusterCoordinator: %s failed running closure %s: %s: %s",
+        task_device("worker", index),
+        closure.name,
+        type(error).__name__,
+        _first_line(error),
+    )
 
 
 def _first_line(error: BaseException) -> str:

@@ -252,6 +252,9 @@ def test_basic_variable_assignment(strategy: Any) -> None:
 
 
 def test_killed_worker_closures_rescheduled_and_worker_restarted(strategy: Any) -> None:
+    """TF's WorkerPreemptionMidstFunction: a worker killed while closures run; its running
+    closure is rescheduled, Ray restarts it, and training still reaches the least-squares
+    solution (1e-3); every closure ran at least once."""
     x, y, solution = _least_squares_problem()
     w, b, count = _model(strategy)
     c = ClusterCoordinator(strategy)
@@ -337,7 +340,7 @@ def test_cancellation_and_in_flight_errors_are_one_error(strategy: Any, tmp_path
         first.fetch()
 
 
-def test_schedule_raise_error_with_multiple_failure(strategy: Any) -> None:
+def test_schedule_raise_error_with_multiple_failure(strategy: Any, caplog: Any) -> None:
     """TF's ScheduleRaiseErrorWithMultipleFailure: schedule raises the error once; the
     failures of closures scheduled meanwhile are not raised again by join; scheduling then
     works."""
@@ -352,10 +355,15 @@ def test_schedule_raise_error_with_multiple_failure(strategy: Any) -> None:
         c.schedule(normal, args=(np.ones(2, np.float32),))
     c.schedule(error_fn, args=(np.ones(2, np.float32),))
     deadline = time.monotonic() + 120
-    with pytest.raises(ValueError, match="error_fn failed"):
+    with (
+        caplog.at_level(logging.ERROR, logger="jaxdist.parameter_server"),
+        pytest.raises(ValueError, match="error_fn failed"),
+    ):
         while time.monotonic() < deadline:
             c.schedule(error_fn, args=(np.ones(2, np.float32),))
     c.join()  # nothing more to raise
+    assert "failed running closure 'test_schedule_raise_error_with_multiple_failure" in caplog.text
+    assert "ValueError: error_fn failed" in caplog.text
     ok = c.schedule(normal, args=(np.ones(2, np.float32),))
     c.join()
     assert float(ok.fetch()) == 2.0
@@ -527,6 +535,8 @@ def test_variable_aggregation_counts(strategy: Any) -> None:
 
 
 def test_dead_parameter_server_surfaces(strategy: Any) -> None:
+    """TF's JoinRaisesUnavailableErrorAtPsFailure: a killed parameter server makes join (and
+    schedule) raise an error naming it within 60 s, and reading its variables raises."""
     s = jd.experimental.ParameterServerStrategy(_resolver(1, 1))
     try:
         with pytest.raises(ValueError, match=r"function\(\) of another strategy"):

@@ -67,20 +67,22 @@ def ray_runtime() -> Iterator[None]:
     started = not ray.is_initialized()
     temp_dir = tempfile.mkdtemp(prefix="jdray")  # short: Ray's socket paths must fit
     head = None
-    if started:
-        ray.init(
-            address="local",
-            include_dashboard=False,
-            num_cpus=2,
-            _node_ip_address="127.0.0.1",
-            _temp_dir=temp_dir,
-            configure_logging=False,
-        )
-        head = ray.get_runtime_context().gcs_address
-    yield
-    if started:  # the test module's own runtime
-        ray.shutdown()
-    shutil.rmtree(temp_dir, ignore_errors=True)
+    try:
+        if started:
+            ray.init(
+                address="local",
+                include_dashboard=False,
+                num_cpus=2,
+                _node_ip_address="127.0.0.1",
+                _temp_dir=temp_dir,
+                configure_logging=False,
+            )
+            head = ray.get_runtime_context().gcs_address
+        yield
+    finally:
+        if started:  # the test module's own runtime
+            ray.shutdown()
+        shutil.rmtree(temp_dir, ignore_errors=True)
     assert head is None or _recorded_cluster() != head, f"{address_file()} still names {head}"
 
 

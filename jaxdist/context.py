@@ -21,7 +21,7 @@ from jaxdist._protocols import StrategyLike
 from jaxdist._scope import STATE, default_strategy, entered
 from jaxdist.values.distributed import DistributedValues, Mirrored, PerReplica
 from jaxdist.values.reduce_op import ReduceOp
-from jaxdist.variables import Variable
+from jaxdist.variables import ShardedVariable, Variable
 from jaxdist.variables._replica_updates import mirror_of, register_mirror, replica_update
 
 __all__ = ["ReplicaContext", "get_replica_context"]
@@ -46,6 +46,11 @@ class ReplicaContext:
         mirrors: what the variables layer records while a replica function is
             traced: ``id(per-replica view) -> (view, invariant value)`` of each
             ``ON_WRITE`` variable input.
+        updates: what ``assign`` / ``assign_add`` / ``assign_sub`` did while the
+            function was traced, in order: ``(kind, variable before, variable
+            after)`` per variable (per shard of a `ShardedVariable`). A caller that
+            applies updates the function does not return (the parameter-server
+            worker) reads it after the function returned.
     """
 
     strategy: StrategyLike
@@ -53,6 +58,9 @@ class ReplicaContext:
     single_replica: bool = False
     mirrors: dict[int, tuple[Any, Any]] = dataclasses.field(
         default_factory=dict, compare=False, hash=False, repr=False
+    )
+    updates: list[tuple[str, Any, Any]] = dataclasses.field(
+        default_factory=list, compare=False, hash=False, repr=False
     )
     # The valid-row counts of the padded batches among the arguments, one entry per
     # batch: (counts, replicated) where counts is every replica's (replicated) or this
@@ -302,16 +310,26 @@ class ReplicaContext:
         aggregation says (``MEAN`` averages, ``SUM`` adds, ``ONLY_FIRST_REPLICA``
         takes replica 0's, ``NONE`` requires a value identical on every replica),
         so the variable stays mirrored. ``ON_READ``: this replica's copy only.
+        A `jaxdist.experimental.ShardedVariable` is updated shard by shard (each
+        shard takes its rows of ``value``, aggregated as that shard says).
         """
-        return replica_update(self, variable, "assign", value)
+        return self._update(variable, "assign", value)
 
     def assign_add(self, variable: Any, delta: Any) -> Any:
         """Returns ``variable + delta``, with ``delta`` aggregated as in `assign`."""
-        return replica_update(self, variable, "assign_add", delta)
+        return self._update(variable, "assign_add", delta)
 
     def assign_sub(self, variable: Any, delta: Any) -> Any:
         """Returns ``variable - delta``, with ``delta`` aggregated as in `assign`."""
-        return replica_update(self, variable, "assign_sub", delta)
+        return self._update(variable, "assign_sub", delta)
+
+    def _update(self, variable: Any, kind: str, value: Any) -> Any:
+        if isinstance(variable, ShardedVariable):
+            return variable.updated_by(kind, value, lambda v, k, x: self._update(v, k, x))
+        new = replica_update(self, variable, kind, value)
+        if self.bound_to_axis:
+            self.updates.append((kind, variable, new))
+        return new
 
     # merge_call ------------------------------------------------------------------
 

@@ -22,12 +22,13 @@ from jax.sharding import PartitionSpec as P
 from jaxdist._jax_compat import is_tracer
 from jaxdist._placement.results import broadcast_to, check_pairs, destination_sharding, place
 from jaxdist._protocols import StrategyLike
-from jaxdist._scope import check_cross_replica
+from jaxdist._scope import check_cross_replica, current_replica_context
 from jaxdist.collectives.communication import CommunicationOptions, resolve_options
 from jaxdist.strategies.checks import check_counts
 from jaxdist.values.distributed import Mirrored, PerReplica
 from jaxdist.values.reduce_op import ReduceOp
 from jaxdist.variables import (
+    ShardedVariable,
     Variable,
     VariableAggregation,
     as_distributed,
@@ -338,6 +339,8 @@ class StrategyExtended:
             3.0
         """
         where = "StrategyExtended.update"
+        if isinstance(var, ShardedVariable):
+            return self._update_sharded(var, fn, args, kwargs, group)
         check_cross_replica(self._strategy, "extended.update")
         if not isinstance(var, Variable):
             raise TypeError(
@@ -397,6 +400,37 @@ class StrategyExtended:
             return var.with_stored(var.placed(new.astype(var.dtype)))
 
         result = self._strategy.gated(compute)
+        return result if group else self._strategy.experimental_local_results(result)
+
+    def _update_sharded(
+        self,
+        var: ShardedVariable,
+        fn: Callable[..., Any],
+        args: Sequence[Any],
+        kwargs: dict[str, Any] | None,
+        group: bool,
+    ) -> Any:
+        """`update` of a `ShardedVariable`: shard ``i`` runs ``fn`` with its rows of every
+        argument of the variable's full shape (others as they are). In a replica function
+        each shard's new value is set with ``ctx.assign`` (aggregated as the shard says)."""
+        where = "StrategyExtended.update"
+        if not callable(fn):
+            raise TypeError(f"{where}: fn must be callable, got {type(fn).__name__}.")
+        n = len(var.variables)
+        leaves, treedef = jax.tree.flatten((tuple(args), kwargs or {}), is_leaf=is_distributed)
+        cut = [var.split(x, where) for x in leaves]
+        shard_args = [jax.tree.unflatten(treedef, [c[i] for c in cut]) for i in range(n)]
+        ctx = current_replica_context()
+        if ctx is not None:
+
+            def one(shard: Variable, a: Any, k: Any) -> Any:
+                new = _updated_value(fn, _CopyView(shard.read_value(), shard), a, k)
+                return ctx.assign(shard, new)
+
+            shards = [one(v, *shard_args[i]) for i, v in enumerate(var.variables)]
+            return ShardedVariable(shards, name=var.name)
+        shards = [self.update(v, fn, *shard_args[i]) for i, v in enumerate(var.variables)]
+        result = ShardedVariable(shards, name=var.name)
         return result if group else self._strategy.experimental_local_results(result)
 
     # Reductions -----------------------------------------------------------------------

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax
@@ -232,8 +232,9 @@ class ShardedVariable(ReadsLikeAnArray):
 
         Raises:
             IndexError: concrete ``indices`` outside ``[0, rows)``. Traced ones
-                are not checked (out-of-range ids are clamped, as ``jnp.take``
-                with ``mode="clip"``).
+                (inside ``jax.jit`` or ``strategy.run``) cannot raise: an
+                out-of-range id there reads a row of zeros, as TF's
+                ``embedding_lookup`` does on GPU and TPU (on CPU TF raises).
         """
         ids = jnp.asarray(indices)
         if not jnp.issubdtype(ids.dtype, jnp.integer):
@@ -262,6 +263,9 @@ class ShardedVariable(ReadsLikeAnArray):
                 continue
             inside = (ids >= bounds[i]).reshape(ids.shape + (1,) * (self.ndim - 1))
             out = jnp.where(inside, rows_i, out)
+        if is_tracer(ids) and out is not None:
+            valid = ((ids >= 0) & (ids < rows)).reshape(ids.shape + (1,) * (self.ndim - 1))
+            out = jnp.where(valid, out, jnp.zeros((), out.dtype))
         return out
 
     # Updates ------------------------------------------------------------------------
@@ -303,16 +307,35 @@ class ShardedVariable(ReadsLikeAnArray):
         return [PerReplica(full[:, bounds[i] : bounds[i + 1]]) for i in range(len(self._variables))]
 
     def _update(self, kind: str, value: Any) -> ShardedVariable:
+        return self.updated_by(kind, value, lambda v, k, part: getattr(v, k)(part))
+
+    def updated_by(
+        self, kind: str, value: Any, update: Callable[[Variable, str, Any], Variable]
+    ) -> ShardedVariable:
+        """The variable after ``update(shard, kind, part)`` of every shard, where ``part``
+        is the shard's rows of ``value`` (`split`) and ``kind`` is ``"assign"``,
+        ``"assign_add"`` or ``"assign_sub"``: `assign` with ``Variable.assign`` as
+        ``update``, ``ctx.assign`` with the replica context's."""
         where = f"{_NAME}.{kind}"
+        self._check_holds_variables(where)
+        parts = self.split(value, where)
+        new = [update(v, kind, p) for v, p in zip(self._variables, parts, strict=True)]
+        return ShardedVariable._make(new, self._name)
+
+    def split(self, value: Any, where: str) -> list[Any]:
+        """``value`` as one part per shard: a value of the full shape (or a `Mirrored` or
+        `PerReplica` of it) is cut into the shards' rows; one that broadcasts to every
+        shard as it is (a scalar, a row) is given to each. ``where`` names the caller in
+        the error for a value that does not fit."""
+        return self._parts(value, where)
+
+    def _check_holds_variables(self, where: str) -> None:
         if not all(isinstance(v, Variable) for v in self._variables):
             raise TypeError(
                 f"{where}: {self!r} holds arrays, not variables (it came out of a tree map "
                 "over its shards, such as strategy.experimental_local_results); read it with "
                 "numpy() / read_value(), or update the ShardedVariable it came from."
             )
-        parts = self._parts(value, where)
-        new = [getattr(v, kind)(p) for v, p in zip(self._variables, parts, strict=True)]
-        return ShardedVariable._make(new, self._name)
 
     def assign(self, value: Any) -> ShardedVariable:
         """Returns the variable set to ``value``: shard ``i`` takes its rows of it.

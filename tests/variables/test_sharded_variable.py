@@ -328,6 +328,11 @@ def test_sparse_read_as_tf() -> None:
         assert got.shape == (*ids.shape, 1)
     got = jax.jit(lambda s, i: s.sparse_read(i))(sv, jnp.array([21, 0, 12, 22, 10]))
     np.testing.assert_array_equal(got, values[[21, 0, 12, 22, 10]])
+    # Out-of-range ids: eager raises; compiled reads zeros (TF's GPU/TPU embedding_lookup).
+    with pytest.raises(IndexError, match=r"indices in \[-1, 30\]"):
+        sv.sparse_read(np.array([-1, 30]))
+    got = jax.jit(lambda s, i: s.sparse_read(i))(sv, jnp.array([30, 5, -1, 29, 1000]))
+    np.testing.assert_array_equal(got, [[0.0], [5.0], [0.0], [29.0], [0.0]])
 
 
 def test_embedding_lookup_as_tf_and_uneven_shards() -> None:
@@ -522,6 +527,37 @@ def test_training_step_through_run_on_eight_replicas_matches_numpy() -> None:
     w1 = w0 - 0.1 * ref_grad
     ref2 = w1 - 0.1 * 2.0 * x.T @ (x @ w1 - y) / (x.shape[0] * 3)
     np.testing.assert_allclose(again.numpy(), ref2, rtol=1e-5, atol=1e-6)
+
+
+def test_ctx_assign_and_extended_update_take_sharded_variables() -> None:
+    """``ctx.assign*`` and ``extended.update`` of a ShardedVariable (formerly a TypeError)
+    update shard by shard, aggregated as each shard says; NumPy reference, exact (small
+    integers), on eight replicas."""
+    strategy = jd.MirroredStrategy()
+    n = strategy.num_replicas_in_sync
+    start = np.arange(10.0, dtype=np.float32)
+    with strategy.scope():
+        w = jd.Variable(start, partitioner=P.FixedShardsPartitioner(3), aggregation="mean")
+        total = jd.Variable(start, partitioner=P.FixedShardsPartitioner(3), aggregation="sum")
+
+    def step(ctx: jd.ReplicaContext, w: Any, total: Any) -> Any:
+        r = ctx.replica_id_in_sync_group.astype(jnp.float32)
+        w = ctx.assign_sub(w, jnp.full(10, r))  # MEAN: minus the mean of 0..n-1
+        total = ctx.assign_add(total, jnp.full(10, 1.0))  # SUM: plus n
+        w = strategy.extended.update(w, lambda v, d: v.assign_add(d), args=(jnp.ones(10),))
+        return w, total, len(ctx.updates)
+
+    w2, total2, recorded = strategy.run(step, args=(w, total))
+    assert isinstance(w2, SV) and _rows(w2) == [4, 3, 3]
+    np.testing.assert_array_equal(w2.numpy(), start - np.mean(np.arange(n)) + 1.0)
+    np.testing.assert_array_equal(total2.numpy(), start + n)
+    assert int(recorded) == 9  # three updates of three shards, as ReplicaContext.updates
+    # Cross-replica: every argument of the full shape is cut into the shards' rows.
+    w3 = strategy.extended.update(w, lambda v, a, b: v.assign_add(a * b), args=(start, 2.0))
+    assert isinstance(w3, SV)
+    np.testing.assert_array_equal(w3.numpy(), start + 2.0 * start)
+    with pytest.raises(ValueError, match=r"StrategyExtended.update: value of shape \(3,\)"):
+        strategy.extended.update(w, lambda v, a: v.assign_add(a), args=(np.ones(3),))
 
 
 # Checkpoints -------------------------------------------------------------------------

@@ -4,7 +4,8 @@
 One concept per module: ``strategy`` (the strategy and variable placement), ``ps`` (the
 parameter-server actor), ``worker`` (the worker actor), ``coordinator`` (scheduling),
 ``closures`` (the queue and its error rules), ``values`` (remote and per-worker values),
-``variables`` (variable handles), ``coordinator_context`` (the current worker index),
+``variables`` (variable handles), ``updates`` (what a closure's ``ctx.assign*`` amount
+to), ``coordinator_context`` (the current worker index, and the strategy of this process),
 ``server`` (`Server`).
 """
 
@@ -15,6 +16,7 @@ from jaxdist.experimental.parameter_server.values import (
     ClosureCancelledError,
     PerWorkerValues,
     RemoteValue,
+    WorkerLossError,
 )
 from jaxdist.experimental.parameter_server.variables import (
     ParameterServerUnavailableError,
@@ -32,4 +34,5 @@ __all__ = [
     "RemoteValue",
     "Server",
     "ShardedParameterServerVariable",
+    "WorkerLossError",
 ]

@@ -43,6 +43,13 @@ try:
     import ray
     from ray import cloudpickle
     from ray.exceptions import ActorDiedError, RayActorError, RayTaskError
+
+    try:  # where `ray start` records the cluster it joined: Ray 2.50 and later, then older
+        from ray._common.utils import get_ray_address_file
+    except ImportError:  # pragma: no cover - older Ray
+        from ray._private.utils import (  # type: ignore[attr-defined,no-redef,unused-ignore]
+            get_ray_address_file,
+        )
 except ImportError as e:  # pragma: no cover - exercised only without the extra
     raise ImportError(
         "jaxdist's ParameterServerStrategy runs on Ray, which is not installed; install the "
@@ -54,8 +61,10 @@ __all__ = [
     "RayActorError",
     "RayTaskError",
     "actor_env",
+    "address_file",
     "cloudpickle",
     "ensure_ray",
+    "forget_address",
     "ray",
     "start_local",
 ]
@@ -124,3 +133,23 @@ def actor_env(overrides: dict[str, str] | None = None) -> dict[str, Any]:
     env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(path))
     env.update(overrides or {})
     return {"env_vars": env}
+
+
+def address_file() -> str:
+    """Where ``ray start`` records the cluster it joined (Ray's default temp directory)."""
+    return str(get_ray_address_file(None))
+
+
+def forget_address(address: str) -> None:
+    """Removes ``ray start``'s record of the cluster at ``address`` (``ray_current_cluster``
+    in Ray's temp directory), as ``ray stop`` does, when it still names that cluster: left
+    behind, it makes a later plain ``ray.init(num_cpus=...)`` on this machine try to join
+    the stopped cluster and fail."""
+    path = address_file()
+    try:
+        with open(path) as f:
+            recorded = f.read().strip()
+        if recorded == address.strip():
+            os.remove(path)
+    except OSError:
+        pass

@@ -4,15 +4,25 @@ TF's ``tf.distribute.experimental.coordinator.ClusterCoordinator``: ``schedule``
 compiled function with its arguments and returns a `RemoteValue` at once; one dispatcher
 thread per worker sends queued closures to its worker actor and waits for the result.
 Closures are pickled with cloudpickle (the function once, into Ray's object store) and
-compiled on the worker. A worker that dies (preempted, killed) has its running closure put
-back in the queue for any worker (at least once), and Ray restarts it; a parameter server
-that dies is fatal (see `jaxdist.experimental.parameter_server.closures` for the error
-rules).
+compiled on the worker. A worker that dies (preempted, killed, out of memory, a native
+crash) has its running closure put back in the queue for any worker (at least once), and
+Ray restarts it; each death and each rescheduling is logged (logger
+``jaxdist.parameter_server``, level WARNING). A closure whose workers died
+``MAX_WORKER_LOSSES + 1`` times (it kills them itself, most likely) is not retried again:
+it fails with `WorkerLossError` naming it and what happened to each worker, which `join`
+raises as any closure's error. A closure's error is logged (level ERROR) when it happens,
+as TF does, and raised later by the rules of `closures`. While `join` waits, the closures
+that have run for ``log_interval`` seconds (60 by default) are logged every
+``log_interval`` seconds with their workers. A parameter server that dies is fatal (see
+`jaxdist.experimental.parameter_server.closures` for the error rules).
 """
 
 from __future__ import annotations
 
 import hashlib
+import inspect
+import logging
+import os
 import sys
 import threading
 import time
@@ -21,6 +31,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from jaxdist.experimental.parameter_server._cluster import task_device
 from jaxdist.experimental.parameter_server._ray import (
     ActorDiedError,
     RayActorError,
@@ -37,13 +48,25 @@ from jaxdist.experimental.parameter_server.values import (
     PerWorkerDataset,
     PerWorkerValues,
     RemoteValue,
+    WorkerLossError,
 )
 from jaxdist.experimental.parameter_server.variables import ParameterServerUnavailableError
 
-__all__ = ["ClusterCoordinator"]
+__all__ = ["MAX_WORKER_LOSSES", "ClusterCoordinator"]
+
+# How many times one closure is rescheduled after the worker running it died; one more death
+# fails it with WorkerLossError (TF retries without bound, waiting up to an hour for each
+# worker: a closure that crashes its worker would loop forever).
+MAX_WORKER_LOSSES = 3
+
+_log = logging.getLogger("jaxdist.parameter_server")
 
 # How long a dispatcher waits for Ray to restart its dead worker before giving it up.
 _RESTART_TIMEOUT_S = 300.0
+
+# join()'s default period for its lines about long-running closures (the multi-worker
+# watchdog's); ``coordinator.log_interval`` or JAXDIST_PS_LOG_INTERVAL change it.
+_LOG_INTERVAL_S = 60.0
 
 # Modules whose functions workers import by name; a function from any other module (a
 # script, a test file, a notebook) travels by value.
@@ -119,8 +142,13 @@ class ClusterCoordinator:
     def _start(self, strategy: ParameterServerStrategy) -> None:
         self._strategy = strategy
         self._queue = ClosureQueue()
-        self._functions: dict[int, tuple[Any, str, Any]] = {}  # id(fn) -> (fn, key, ref)
+        # id(fn) -> (fn, key, ref, name)
+        self._functions: dict[int, tuple[Any, str, Any, str]] = {}
         self._lock = threading.Lock()
+        # Seconds between join()'s lines about long-running closures (None: no lines).
+        self.log_interval: float | None = float(
+            os.environ.get("JAXDIST_PS_LOG_INTERVAL", _LOG_INTERVAL_S)
+        )
         self._alive = len(strategy.extended.worker_actors)
         self._threads = [
             threading.Thread(
@@ -197,24 +225,42 @@ class ClusterCoordinator:
             structure,
             is_leaf=lambda x: isinstance(x, PerWorkerValues),
         )
-        key, ref = self._function_ref(fn)
-        closure = Closure(key, ref, *structure)
+        key, ref, name = self._function_ref(fn)
+        closure = Closure(key, ref, structure[0], structure[1], name=name)
         self._queue.put(closure)
         return closure.remote_value
 
-    def _function_ref(self, fn: Any) -> tuple[str, Any]:
+    def _function_ref(self, fn: Any) -> tuple[str, Any, str]:
+        """``fn``'s key, its object-store reference and its name for messages (once per
+        function)."""
         with self._lock:
             entry = self._functions.get(id(fn))
             if entry is None or entry[0] is not fn:
                 data = _pickled(fn, fn)
-                entry = (fn, hashlib.sha1(data).hexdigest(), ray.put(data))
+                entry = (fn, hashlib.sha1(data).hexdigest(), ray.put(data), _describe(fn))
                 self._functions[id(fn)] = entry
-            return entry[1], entry[2]
+            return entry[1], entry[2], entry[3]
 
     def join(self) -> None:
         """Waits until every scheduled closure has finished; raises the first error of a
-        closure since the last raise (once), or the loss of a parameter server."""
-        self._queue.join()
+        closure since the last raise (once, when no closure runs any more), or the loss of
+        a parameter server. Every ``log_interval`` seconds it waits, it logs the closures
+        that have run that long and their workers."""
+        self._queue.join(self._report, self.log_interval or 3600.0)
+
+    def _report(self, running: list[Closure]) -> None:
+        if not self.log_interval:
+            return
+        now = time.monotonic()
+        _log.warning(
+            "ClusterCoordinator.join: waiting for %d closure(s) running for %gs or more: %s",
+            len(running),
+            self.log_interval,
+            "; ".join(
+                f"{c.name} on {task_device('worker', c.worker)} for {now - c.started:.0f}s"
+                for c in running
+            ),
+        )
 
     def done(self) -> bool:
         """Whether every scheduled closure has finished (raises like `join`)."""
@@ -245,7 +291,7 @@ class ClusterCoordinator:
     def _dispatch(self, index: int) -> None:
         worker = self._strategy.extended.worker_actors[index]
         while True:
-            closure = self._queue.get()
+            closure = self._queue.get(index)
             if closure is None:
                 return
             args, kwargs = jax.tree.map(
@@ -253,22 +299,59 @@ class ClusterCoordinator:
                 (closure.args, closure.kwargs),
                 is_leaf=lambda x: isinstance(x, PerWorkerValues),
             )
-            closure.runs += 1
             try:
                 result = ray.get(worker.run.remote(closure.fn_key, [closure.fn_ref], args, kwargs))
-            except RayActorError:
-                self._queue.put_back(closure)
+            except RayActorError as e:
+                self._lost(closure, index, e)
                 if not self._wait_for_restart(worker):
                     self._retire(index)
                     return
             except RayTaskError as e:
                 cause = e.cause if isinstance(e.cause, BaseException) else e
                 fatal = isinstance(cause, ParameterServerUnavailableError)
+                _log_failure(closure, index, cause)
                 self._queue.finished(closure, error=cause, fatal=fatal)
             except Exception as e:
+                _log_failure(closure, index, e)
                 self._queue.finished(closure, error=e)
             else:
                 self._queue.finished(closure, result)
+
+    def _lost(self, closure: Closure, index: int, error: BaseException) -> None:
+        """The worker running ``closure`` died: log it, then reschedule the closure or, after
+        ``MAX_WORKER_LOSSES`` reschedulings, fail it."""
+        device = task_device("worker", index)
+        what = _first_line(error)
+        closure.losses.append(f"{device} died ({what})")
+        losses = len(closure.losses)
+        _log.warning(
+            "ClusterCoordinator: worker %s died while running closure %s (run %d): %s",
+            device,
+            closure.name,
+            closure.runs,
+            what,
+        )
+        if losses > MAX_WORKER_LOSSES:
+            self._queue.finished(
+                closure,
+                error=WorkerLossError(
+                    f"ClusterCoordinator: closure {closure.name} was not retried again: the "
+                    f"worker running it died each of the {losses} times it ran "
+                    f"(MAX_WORKER_LOSSES = {MAX_WORKER_LOSSES} reschedulings): "
+                    + "; ".join(closure.losses)
+                    + ". A closure that kills its worker every time (a native crash, "
+                    "os._exit, running out of memory) cannot succeed by retrying: look at the "
+                    "workers' logs (Ray's log directory, or the output above)."
+                ),
+            )
+            return
+        _log.warning(
+            "ClusterCoordinator: rescheduling closure %s (reschedule %d of at most %d)",
+            closure.name,
+            losses,
+            MAX_WORKER_LOSSES,
+        )
+        self._queue.put_back(closure)
 
     def _wait_for_restart(self, worker: Any) -> bool:
         deadline = time.monotonic() + _RESTART_TIMEOUT_S
@@ -300,3 +383,33 @@ class ClusterCoordinator:
         self._queue.close()
         for t in self._threads:
             t.join(timeout=30)
+
+
+def _log_failure(closure: Closure, index: int, error: BaseException) -> None:
+    """TF's line for a closure's error (logged as it happens; raised later, once)."""
+    _log.error(
+        "ClusterCoordinator: %s failed running closure %s: %s: %s",
+        task_device("worker", index),
+        closure.name,
+        type(error).__name__,
+        _first_line(error),
+    )
+
+
+def _first_line(error: BaseException) -> str:
+    """The first non-empty line of ``error``'s message (at most 300 characters)."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    text = lines[0] if lines else type(error).__name__
+    return text[:300]
+
+
+def _describe(fn: Any) -> str:
+    """``fn``'s name and where it is defined, e.g. ``'step' (train.py:12)``."""
+    inner = getattr(fn, "fn", None) or getattr(fn, "__wrapped__", None) or fn
+    name = getattr(inner, "__qualname__", None) or type(inner).__name__
+    try:
+        path = inspect.getsourcefile(inner) or "?"
+        line = inspect.getsourcelines(inner)[1]
+    except (TypeError, OSError):
+        return repr(name)
+    return f"{name!r} ({os.path.basename(path)}:{line})"

@@ -23,7 +23,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from jaxdist.cluster_resolver import ClusterSpec
-from jaxdist.experimental.parameter_server._ray import actor_env
+from jaxdist.experimental.parameter_server._ray import actor_env, forget_address
 from jaxdist.experimental.parameter_server.strategy import task_resource
 
 __all__ = ["Server"]
@@ -165,6 +165,7 @@ class Server:
         self.start()
         assert self._process is not None
         code = self._process.wait()
+        forget_address(self._head)
         if code not in (0, -15):
             raise RuntimeError(
                 f"{_WHERE}: the Ray node of /job:{self._job}/replica:0/task:{self._index} "
@@ -173,8 +174,13 @@ class Server:
             )
 
     def stop(self) -> None:
-        """Leaves the cluster: stops this task's Ray node."""
+        """Leaves the cluster: stops this task's Ray node, and removes ``ray start``'s record
+        of the cluster (``ray_current_cluster`` in Ray's temp directory) if it names this
+        head."""
         with self._lock:
             if self._process is not None and self._process.poll() is None:
                 self._process.terminate()
                 self._process.wait(timeout=60)
+            # `ray start` recorded the head's address for this machine; a stopped node
+            # leaves no record behind (what `ray stop` does, for this node only).
+            forget_address(self._head)

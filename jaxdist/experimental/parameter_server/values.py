@@ -17,6 +17,7 @@ from typing import Any
 
 __all__ = [
     "ClosureCancelledError",
+    "WorkerLossError",
     "PerWorkerDataset",
     "PerWorkerIterator",
     "PerWorkerValues",
@@ -28,6 +29,12 @@ _ids = itertools.count()
 
 class ClosureCancelledError(concurrent.futures.CancelledError):
     """The closure was cancelled (an earlier closure failed) before it ran."""
+
+
+class WorkerLossError(RuntimeError):
+    """A closure's worker died every time it ran, more often than the coordinator retries
+    (``MAX_WORKER_LOSSES``); the message names the closure and what happened to each
+    worker."""
 
 
 class RemoteValue:

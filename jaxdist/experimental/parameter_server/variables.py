@@ -7,20 +7,28 @@ strategy's ``variable_partitioner``, one shard per handle in ``.variables``, pla
 round-robin like whole variables. Handles are small and picklable: closures carry them
 to workers, which read the current values, run, and send the changes back as deltas.
 
-Unlike a `jaxdist.Variable` (a value), a handle names remote state: ``assign*`` in the
-coordinator changes the variable on its parameter server and returns the same handle.
+Both are jaxdist's own types (`ParameterServerVariable` is a `jaxdist.Variable`,
+`ShardedParameterServerVariable` a `jaxdist.experimental.ShardedVariable`) with TF's
+metadata, so code written for them (``isinstance``, ``.synchronization``, reading, saving)
+takes them. Unlike a `jaxdist.Variable` (a value), a handle names remote state: ``assign*``
+in the coordinator changes the variable on its parameter server and returns the same
+handle, and copying or pickling a handle copies the name, not the value. A handle's
+strategy is the `ParameterServerStrategy` that made it in the coordinator's process, and
+that worker's view of it in a worker's.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+import jax.numpy as jnp
 import numpy as np
 
 from jaxdist.experimental.parameter_server._cluster import task_device
 from jaxdist.experimental.parameter_server._ray import RayActorError, ray
-from jaxdist.variables._ops import ReadsLikeAnArray
-from jaxdist.variables.meta import VariableAggregation, VariableSynchronization
+from jaxdist.experimental.parameter_server.coordinator_context import strategy_for
+from jaxdist.variables import ShardedVariable, Variable
+from jaxdist.variables.meta import Meta
 
 __all__ = [
     "ParameterServerUnavailableError",
@@ -42,46 +50,55 @@ def unavailable(task_index: int, error: BaseException) -> ParameterServerUnavail
     )
 
 
-class ParameterServerVariable(ReadsLikeAnArray):
-    """A variable held by a parameter server task (created in the strategy's scope)."""
+class ParameterServerVariable(Variable):
+    """A variable held by a parameter server task (created in the strategy's scope); a
+    `jaxdist.Variable`."""
 
-    __slots__ = (
-        "_actor",
-        "_aggregation",
-        "_dtype",
-        "_id",
-        "_name",
-        "_shape",
-        "_synchronization",
-        "_task",
-        "_trainable",
-    )
+    __slots__ = ("_actor", "_dtype", "_id", "_shape", "_task", "_uid")
+    _actor: Any
+    _dtype: np.dtype[Any]
+    _id: int
+    _shape: tuple[int, ...]
+    _task: int
+    _uid: int
 
-    def __init__(
-        self,
+    def __new__(cls, *args: Any, **kwargs: Any) -> ParameterServerVariable:
+        return object.__new__(cls)
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        # Built by `handle`; Python calls __init__ again with jaxdist.Variable's arguments
+        # when ``jd.Variable(...)`` in the strategy's scope returns one: nothing to do.
+        pass
+
+    @classmethod
+    def handle(
+        cls,
         var_id: int,
         actor: Any,
         task: int,
         shape: tuple[int, ...],
         dtype: np.dtype[Any],
-        synchronization: VariableSynchronization,
-        aggregation: VariableAggregation,
-        trainable: bool,
-        name: str,
-    ) -> None:
-        self._id = var_id
-        self._actor = actor
-        self._task = task
-        self._shape = shape
-        self._dtype = dtype
-        self._synchronization = synchronization
-        self._aggregation = aggregation
-        self._trainable = trainable
-        self._name = name
+        meta: Meta,
+        strategy_uid: int,
+    ) -> ParameterServerVariable:
+        """The handle of variable ``var_id`` on ps task ``task`` (served by ``actor``)."""
+        v = cls()
+        for field, value in (
+            ("_id", var_id),
+            ("_actor", actor),
+            ("_task", task),
+            ("_shape", tuple(shape)),
+            ("_dtype", np.dtype(dtype)),
+            ("_uid", strategy_uid),
+            ("meta", meta),
+        ):
+            object.__setattr__(v, field, value)
+        return v
 
     @property
-    def name(self) -> str:
-        return self._name
+    def stored(self) -> Any:
+        """The current value (read from the parameter server), as a JAX array."""
+        return jnp.asarray(self.read_value())
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -92,16 +109,9 @@ class ParameterServerVariable(ReadsLikeAnArray):
         return self._dtype
 
     @property
-    def synchronization(self) -> VariableSynchronization:
-        return self._synchronization
-
-    @property
-    def aggregation(self) -> VariableAggregation:
-        return self._aggregation
-
-    @property
-    def trainable(self) -> bool:
-        return self._trainable
+    def per_replica_storage(self) -> bool:
+        """False: a parameter server holds one value, even for ``ON_READ``."""
+        return False
 
     @property
     def device(self) -> str:
@@ -125,8 +135,22 @@ class ParameterServerVariable(ReadsLikeAnArray):
 
     def __repr__(self) -> str:
         return (
-            f"ParameterServerVariable(name={self._name!r}, shape={self._shape}, "
+            f"ParameterServerVariable(name={self.name!r}, shape={self._shape}, "
             f"dtype={self._dtype}, device={self.device!r})"
+        )
+
+    def __copy__(self) -> ParameterServerVariable:
+        return self
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> ParameterServerVariable:
+        return self  # a handle: the value stays on its parameter server
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        meta = self.meta
+        fields = (meta.synchronization, meta.aggregation, meta.trainable, meta.name)
+        return (
+            _rebuild_handle,
+            (self._id, self._actor, self._task, self._shape, self._dtype, fields, self._uid),
         )
 
     def read_value(self) -> np.ndarray:
@@ -142,6 +166,18 @@ class ParameterServerVariable(ReadsLikeAnArray):
     def numpy(self) -> np.ndarray:
         return np.array(self.read_value())
 
+    def checkpoint_value(self) -> np.ndarray:
+        """What a checkpoint stores: the value on the parameter server."""
+        return self.read_value()
+
+    @property
+    def device_values(self) -> np.ndarray:
+        return self.read_value()
+
+    def restored(self, value: Any) -> ParameterServerVariable:
+        """Sets the parameter server's value from a checked checkpoint value (private)."""
+        return self.assign(value)
+
     def _apply(self, kind: str, value: Any) -> ParameterServerVariable:
         x = np.asarray(value)
         try:
@@ -149,7 +185,7 @@ class ParameterServerVariable(ReadsLikeAnArray):
         except ValueError:
             raise ValueError(
                 f"ParameterServerVariable.{'assign' if kind == 'set' else 'assign_add'}: "
-                f"value of shape {x.shape} does not broadcast to variable {self._name!r} of "
+                f"value of shape {x.shape} does not broadcast to variable {self.name!r} of "
                 f"shape {self._shape}."
             ) from None
         try:
@@ -171,51 +207,49 @@ class ParameterServerVariable(ReadsLikeAnArray):
         return self._apply("add", -np.asarray(delta))
 
 
-class ShardedParameterServerVariable(ReadsLikeAnArray):
-    """A variable split along its first axis into shards held by parameter servers."""
+def _rebuild_handle(
+    var_id: int,
+    actor: Any,
+    task: int,
+    shape: tuple[int, ...],
+    dtype: np.dtype[Any],
+    fields: tuple[Any, ...],
+    uid: int,
+) -> ParameterServerVariable:
+    sync, agg, trainable, name = fields
+    meta = Meta(sync, agg, trainable, name, strategy_for(uid), created_in_scope=True)
+    return ParameterServerVariable.handle(var_id, actor, task, shape, dtype, meta, uid)
 
-    __slots__ = ("_name", "_variables")
+
+class ShardedParameterServerVariable(ShardedVariable):
+    """A variable split along its first axis into shards held by parameter servers; a
+    `jaxdist.experimental.ShardedVariable` whose shards are `ParameterServerVariable`\\ s."""
+
+    __slots__ = ()
 
     def __init__(self, variables: tuple[ParameterServerVariable, ...], name: str) -> None:
-        self._variables = variables
-        self._name = name
+        super().__init__(list(variables), name=name)
 
     @property
     def variables(self) -> tuple[ParameterServerVariable, ...]:
         """The shards, in order along the first axis."""
         return self._variables
 
-    @property
-    def name(self) -> str:
-        return self._name
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        first = self._variables[0].shape
-        return (sum(v.shape[0] for v in self._variables), *first[1:])
-
-    @property
-    def dtype(self) -> np.dtype[Any]:
-        return self._variables[0].dtype
-
-    @property
-    def synchronization(self) -> VariableSynchronization:
-        return self._variables[0].synchronization
-
-    @property
-    def aggregation(self) -> VariableAggregation:
-        return self._variables[0].aggregation
-
-    @property
-    def trainable(self) -> bool:
-        return self._variables[0].trainable
-
     def __repr__(self) -> str:
         devices = [v.device for v in self._variables]
         return (
-            f"ShardedParameterServerVariable(name={self._name!r}, shape={self.shape}, "
+            f"ShardedParameterServerVariable(name={self.name!r}, shape={self.shape}, "
             f"dtype={self.dtype}, shards={len(self._variables)}, devices={devices})"
         )
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (ShardedParameterServerVariable, (self._variables, self.name))
+
+    def __copy__(self) -> ShardedParameterServerVariable:
+        return self
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> ShardedParameterServerVariable:
+        return self
 
     def read_value(self) -> np.ndarray:
         """The whole value: the shards read (one call per parameter server) and joined."""
@@ -233,26 +267,16 @@ class ShardedParameterServerVariable(ReadsLikeAnArray):
                 parts[i] = x
         return np.concatenate(parts, axis=0)
 
-    def value(self) -> np.ndarray:
-        return self.read_value()
-
     def numpy(self) -> np.ndarray:
         return self.read_value()
 
-    def _split(self, value: Any) -> list[np.ndarray]:
-        x = np.broadcast_to(np.asarray(value), self.shape)
-        bounds = np.cumsum([v.shape[0] for v in self._variables])[:-1]
-        return np.split(x, bounds, axis=0)
+    def checkpoint_value(self) -> np.ndarray:
+        return self.read_value()
 
-    def assign(self, value: Any) -> ShardedParameterServerVariable:
-        for v, part in zip(self._variables, self._split(value), strict=True):
-            v.assign(part)
+    def _update(self, kind: str, value: Any) -> ShardedParameterServerVariable:
+        """Each shard updated on its parameter server; this handle."""
+        self.updated_by(kind, value, lambda v, k, part: getattr(v, k)(part))
         return self
 
-    def assign_add(self, delta: Any) -> ShardedParameterServerVariable:
-        for v, part in zip(self._variables, self._split(delta), strict=True):
-            v.assign_add(part)
-        return self
-
-    def assign_sub(self, delta: Any) -> ShardedParameterServerVariable:
-        return self.assign_add(-np.asarray(delta))
+    def restored(self, value: Any) -> ShardedParameterServerVariable:
+        return self.assign(value)  # type: ignore[return-value]

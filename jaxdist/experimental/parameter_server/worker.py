@@ -5,9 +5,10 @@ parameter-server variable handles, per-worker iterators and per-worker values ar
 markers. The worker reads the variables it needs (one call per parameter server), makes
 them local `jaxdist.Variable`\\ s under a one-device strategy on this machine's CPU, takes
 the next element of its own iterators, and calls the function, compiled here once per
-function. Every variable in the result that differs from what was read goes back to its
-parameter server as a delta (``new - old``; a plain value for booleans), one atomic call
-per server, before the closure counts as done. The result comes back as host arrays, with
+function. The updates a ``strategy.function`` made with ``ctx.assign*`` (see `updates`),
+and the change of every other variable in the result that differs from what was read
+(``new - old``; a plain value for booleans), go back to the parameter servers, one atomic
+call per server, before the closure counts as done. The result comes back as host arrays, with
 updated variables replaced by their handles. While it runs a closure, the worker's task
 index is the current worker index (`coordinator_context`).
 """
@@ -15,13 +16,15 @@ index is the current worker index (`coordinator_context`).
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from typing import Any
 
 import jax
 import numpy as np
 
 from jaxdist.experimental.parameter_server._ray import RayActorError, cloudpickle, ray
-from jaxdist.experimental.parameter_server.coordinator_context import dispatch
+from jaxdist.experimental.parameter_server.coordinator_context import dispatch, set_worker_view
+from jaxdist.experimental.parameter_server.updates import ClosureUpdates
 from jaxdist.experimental.parameter_server.values import PerWorkerIterator
 from jaxdist.experimental.parameter_server.variables import (
     ParameterServerVariable,
@@ -30,6 +33,7 @@ from jaxdist.experimental.parameter_server.variables import (
 )
 from jaxdist.strategies.one_device import OneDeviceStrategy
 from jaxdist.variables import ShardedVariable, Variable
+from jaxdist.variables.meta import VariableAggregation, VariableSynchronization
 
 __all__ = ["Worker"]
 
@@ -43,10 +47,13 @@ def _is_marker(x: Any) -> bool:
 class Worker:
     """One ``worker`` task."""
 
-    def __init__(self, task_index: int) -> None:
+    def __init__(self, task_index: int, strategy_view: Callable[[], Any]) -> None:
         self._task_index = task_index
+        # A ParameterServerStrategy pickled into a closure is this worker's view of it.
+        set_worker_view(strategy_view())
         self._strategy = OneDeviceStrategy(jax.devices("cpu")[0])
-        self._functions: dict[str, Any] = {}  # function key -> callable (compiled here)
+        # function key -> (callable compiled here, whether it returns recorded updates)
+        self._functions: dict[str, tuple[Any, bool]] = {}
         self._iterators: dict[int, Any] = {}  # PerWorkerIterator id -> this worker's iterator
 
     def ping(self) -> int:
@@ -61,11 +68,15 @@ class Worker:
             return self._run(fn_key, fn_ref, args, kwargs)
 
     def _run(self, fn_key: str, fn_ref: list[Any], args: Any, kwargs: Any) -> Any:
-        fn = self._functions.get(fn_key)
-        if fn is None:
+        entry = self._functions.get(fn_key)
+        if entry is None:
             fn = cloudpickle.loads(ray.get(fn_ref[0]))
-            fn = fn.compile_for(self._strategy) if hasattr(fn, "compile_for") else fn
-            self._functions[fn_key] = fn
+            records = hasattr(fn, "compile_for")  # a strategy.function: ctx.assign* recorded
+            entry = self._functions[fn_key] = (
+                fn.compile_for(self._strategy) if records else fn,
+                records,
+            )
+        fn, records = entry
         leaves, treedef = jax.tree.flatten((args, kwargs), is_leaf=_is_marker)
         handles = [x for x in leaves if isinstance(x, _HANDLES)]
         values = self._read(handles)
@@ -85,7 +96,10 @@ class Worker:
         ]
         call_args, call_kwargs = jax.tree.unflatten(treedef, leaves)
         out = fn(*call_args, **call_kwargs)
-        return self._finish(out, old)
+        if records:
+            out, recorded = out
+            return self._finish(out, old, recorded)
+        return self._finish(out, old, ClosureUpdates({}, {}))
 
     def _read(self, handles: list[Any]) -> dict[int, np.ndarray]:
         """Every shard's current value, by variable id: one read per parameter server."""
@@ -106,11 +120,11 @@ class Worker:
     def _local(self, h: Any, values: dict[int, np.ndarray], old: dict[str, Any]) -> Any:
         def one(v: ParameterServerVariable) -> Variable:
             value = values[v.var_id]
-            old[v.name] = (v, value)
+            old[str(v.name)] = (v, value)
             return Variable(
                 value,
                 synchronization=v.synchronization,
-                aggregation=v.aggregation,
+                aggregation=self._local_aggregation(v),
                 trainable=v.trainable,
                 name=v.name,
                 dtype=v.dtype,
@@ -120,6 +134,20 @@ class Worker:
             return ShardedVariable([one(v) for v in h.variables], name=h.name)
         return one(h)
 
+    def _local_aggregation(self, v: ParameterServerVariable) -> VariableAggregation:
+        """The aggregation of ``v``'s local copy: its own, except that with one replica an
+        ``ON_WRITE`` variable's ``NONE`` is ``ONLY_FIRST_REPLICA`` (the same thing: there is
+        one update), which a one-device strategy's replica context accepts for updates that
+        depend on the closure's data."""
+        agg = v.aggregation
+        if (
+            agg is VariableAggregation.NONE
+            and v.synchronization is not VariableSynchronization.ON_READ
+            and self._strategy.num_replicas_in_sync == 1
+        ):
+            return VariableAggregation.ONLY_FIRST_REPLICA
+        return agg
+
     def _next(self, marker: PerWorkerIterator) -> Any:
         it = self._iterators.get(marker.iterator_id)
         if it is None:
@@ -127,15 +155,37 @@ class Worker:
             it = self._iterators[marker.iterator_id] = iter(dataset_fn())
         return next(it)
 
-    def _finish(self, out: Any, old: dict[str, tuple[ParameterServerVariable, np.ndarray]]) -> Any:
-        """Sends the changes of the returned variables to their servers; the host result."""
+    def _finish(
+        self,
+        out: Any,
+        old: dict[str, tuple[ParameterServerVariable, np.ndarray]],
+        recorded: ClosureUpdates,
+    ) -> Any:
+        """Sends the closure's updates to the parameter servers (one atomic call per
+        server); the host result.
+
+        The updates are those ``ctx.assign*`` recorded, and for every other variable the
+        closure returns, its change (``new - old``; the value for booleans).
+        """
         updates: dict[int, tuple[Any, dict[int, tuple[str, Any]]]] = {}
 
         def updates_of(handle: ParameterServerVariable) -> dict[int, tuple[str, Any]]:
             """The updates for the parameter server holding ``handle``, by variable id."""
             return updates.setdefault(handle.task_index, (handle.actor, {}))[1]
 
+        for kind, table in (("set", recorded.sets), ("add", recorded.adds)):
+            for name, x in table.items():
+                if name not in old:
+                    continue
+                handle = old[name][0]
+                x = np.asarray(x)
+                if kind == "set" or np.any(x):
+                    updates_of(handle)[handle.var_id] = (kind, x)
+        logged = recorded.sets.keys() | recorded.adds.keys()
+
         def back(x: Any) -> Any:
+            if isinstance(x, _HANDLES):  # a handle the closure captured: as it is
+                return x
             if isinstance(x, ShardedVariable):
                 return ShardedParameterServerVariable(
                     tuple(back(v) for v in x.variables), name=x.name or ""
@@ -145,6 +195,8 @@ class Worker:
                 if entry is None:
                     return np.asarray(x)
                 handle, before = entry
+                if x.name in logged:  # its ctx.assign* updates are sent already
+                    return handle
                 new = np.asarray(x.read_value())
                 if new.dtype == np.bool_:
                     if not np.array_equal(new, before):

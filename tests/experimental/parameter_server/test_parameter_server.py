@@ -9,11 +9,17 @@ closures (integers).
 from __future__ import annotations
 
 import concurrent.futures
+import copy
 import itertools
+import logging
 import os
+import pickle
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -32,6 +38,7 @@ from jaxdist.experimental.coordinator import (  # noqa: E402
     PerWorkerValues,
     RemoteValue,
 )
+from jaxdist.experimental.parameter_server._ray import address_file  # noqa: E402
 from jaxdist.experimental.partitioners import FixedShardsPartitioner  # noqa: E402
 
 from _helpers import REPO  # noqa: E402
@@ -54,18 +61,38 @@ def _resolver(workers: int, ps: int) -> jd.cluster_resolver.SimpleClusterResolve
 
 @pytest.fixture(scope="module")
 def ray_runtime() -> Iterator[None]:
+    """The module's Ray runtime, its files in a private temporary directory (removed at the
+    end); afterwards Ray's default directory must not name it (a record left there makes a
+    user's later ``ray.init(num_cpus=...)`` try to join the stopped cluster)."""
     started = not ray.is_initialized()
-    if started:
-        ray.init(
-            address="local",
-            include_dashboard=False,
-            num_cpus=2,
-            _node_ip_address="127.0.0.1",
-            configure_logging=False,
-        )
-    yield
-    if started:  # the test module's own runtime
-        ray.shutdown()
+    temp_dir = tempfile.mkdtemp(prefix="jdray")  # short: Ray's socket paths must fit
+    head = None
+    try:
+        if started:
+            ray.init(
+                address="local",
+                include_dashboard=False,
+                num_cpus=2,
+                _node_ip_address="127.0.0.1",
+                _temp_dir=temp_dir,
+                configure_logging=False,
+            )
+            head = ray.get_runtime_context().gcs_address
+        yield
+    finally:
+        if started:  # the test module's own runtime
+            ray.shutdown()
+        shutil.rmtree(temp_dir, ignore_errors=True)
+    assert head is None or _recorded_cluster() != head, f"{address_file()} still names {head}"
+
+
+def _recorded_cluster() -> str | None:
+    """The cluster address `ray start` recorded in Ray's default temp directory, if any."""
+    try:
+        with open(address_file()) as f:
+            return f.read().strip()
+    except OSError:
+        return None
 
 
 @pytest.fixture(scope="module")
@@ -85,6 +112,8 @@ def _least_squares_problem() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 
 
 def _sgd_step(strategy: Any, lr: float) -> Any:
+    """A step that returns the variables it updates (jaxdist's functional habit)."""
+
     def step(ctx: Any, w: Any, b: Any, count: Any, x: Any, y: Any) -> Any:
         def loss(w: Any, b: Any) -> Any:
             return jnp.mean((x @ w + b - y) ** 2)
@@ -96,6 +125,22 @@ def _sgd_step(strategy: Any, lr: float) -> Any:
             ctx.assign_add(count, 1),
             value,
         )
+
+    return strategy.function(step)
+
+
+def _tf_style_step(strategy: Any, lr: float) -> Any:
+    """TF's step: the updates go through ctx.assign*, only the loss is returned."""
+
+    def step(ctx: Any, w: Any, b: Any, count: Any, x: Any, y: Any) -> Any:
+        def loss(w: Any, b: Any) -> Any:
+            return jnp.mean((x @ w + b - y) ** 2)
+
+        value, (gw, gb) = jax.value_and_grad(loss, argnums=(0, 1))(w.read_value(), b.read_value())
+        ctx.assign_sub(w, lr * gw)  # w is a ShardedVariable (FixedShardsPartitioner(2))
+        ctx.assign_sub(b, lr * gb)
+        ctx.assign_add(count, 1)
+        return value
 
     return strategy.function(step)
 
@@ -125,6 +170,19 @@ def test_strategy_and_variables(strategy: Any) -> None:
         t = jd.Variable(
             np.arange(20, dtype=np.float32).reshape(10, 2), partitioner=FixedShardsPartitioner(3)
         )
+    # TF's contract: a tf.distribute.Strategy holding tf.Variables (a ShardedVariable when
+    # partitioned).
+    assert isinstance(strategy, jd.Strategy) and strategy.num_replicas_in_sync == 1
+    assert isinstance(a, jd.Variable) and isinstance(t, jd.experimental.ShardedVariable)
+    assert all(isinstance(v, jd.Variable) for v in t.variables)
+    assert strategy.extended.variable_created_in_scope(a) and a.strategy is strategy
+    assert strategy.extended.parameter_devices == (
+        "/job:ps/replica:0/task:0",
+        "/job:ps/replica:0/task:1",
+    )
+    assert copy.deepcopy(a) is a and pickle.loads(pickle.dumps(a)).strategy is strategy
+    with pytest.raises(RuntimeError, match=r"ParameterServerStrategy.run: .* runs on a worker"):
+        strategy.run(lambda ctx: 1.0)
     assert a.name == "a" and b.name == "a_1"
     assert {a.device, b.device} == {"/job:ps/replica:0/task:0", "/job:ps/replica:0/task:1"}
     assert [v.shape for v in t.variables] == [(4, 2), (3, 2), (3, 2)]
@@ -133,6 +191,15 @@ def test_strategy_and_variables(strategy: Any) -> None:
     np.testing.assert_array_equal(np.asarray(t), np.arange(20).reshape(10, 2))
     np.testing.assert_array_equal(np.asarray(a.assign_add(1.0)), np.arange(6.0).reshape(3, 2) + 1)
     assert int(b) == 1 and b.dtype == np.int32
+    # jd.checkpoint takes them as it takes any jd.Variable: the values on the servers.
+    saved = jd.checkpoint.to_saveable({"a": a, "t": t})
+    np.testing.assert_array_equal(saved["t"], np.arange(20).reshape(10, 2))
+    a.assign(np.zeros((3, 2)))
+    t.assign(np.zeros((10, 2)))
+    back = jd.checkpoint.from_saveable(saved, {"a": a, "t": t})
+    assert back["a"] is a and back["t"] is t
+    np.testing.assert_array_equal(np.asarray(a), np.arange(6.0).reshape(3, 2) + 1)
+    np.testing.assert_array_equal(np.asarray(t), np.arange(20).reshape(10, 2))
 
 
 def test_coordinator_is_one_per_strategy(strategy: Any) -> None:
@@ -159,21 +226,46 @@ def test_schedule_refuses_uncompiled_functions_and_remote_values(strategy: Any) 
 
 def test_async_sgd_converges_to_least_squares(strategy: Any) -> None:
     x, y, solution = _least_squares_problem()
-    w, b, count = _model(strategy)
     c = ClusterCoordinator(strategy)
-    step = _sgd_step(strategy, lr=0.1)
-    results = [c.schedule(step, args=(w, b, count, x, y)) for _ in range(150)]
-    c.join()
-    losses = [float(r.fetch()[3]) for r in results]
-    assert losses[-1] < losses[0]
-    np.testing.assert_allclose(np.asarray(w), solution[:4], atol=1e-3)
-    np.testing.assert_allclose(float(b), solution[4], atol=1e-3)
-    assert int(count) == 150  # every closure ran exactly once (no worker died)
+    # TF's step (updates through ctx.assign*, nothing returned) and jaxdist's (the updated
+    # variables returned as well): each update is applied once either way.
+    for returns in (False, True):
+        w, b, count = _model(strategy)
+        step = (_sgd_step if returns else _tf_style_step)(strategy, lr=0.1)
+        results = [c.schedule(step, args=(w, b, count, x, y)) for _ in range(150)]
+        c.join()
+        losses = [float(r.fetch()[3] if returns else r.fetch()) for r in results]
+        assert losses[-1] < losses[0]
+        np.testing.assert_allclose(np.asarray(w), solution[:4], atol=1e-3)
+        np.testing.assert_allclose(float(b), solution[4], atol=1e-3)
+        assert int(count) == 150  # every closure ran exactly once (no worker died)
     fetched = results[0].fetch()
     assert fetched[0] is not None and fetched[0].variables[0].device.startswith("/job:ps")
 
 
+def test_basic_variable_assignment(strategy: Any) -> None:
+    """TF's BasicVariableAssignment: assign_add / assign_sub inside the scheduled function
+    reach the parameter servers; the function returns a plain value."""
+    with strategy.scope():
+        v1 = jd.Variable(0.0)
+        v2 = jd.Variable(1.0)
+
+    @strategy.function
+    def worker_fn(ctx: Any, v1: Any, v2: Any) -> Any:
+        a = ctx.assign_add(v1, 0.1)
+        b = v2.assign_sub(0.2)  # the variable's own method goes through the same context
+        return a.read_value() / b.read_value()
+
+    c = ClusterCoordinator(strategy)
+    result = c.schedule(worker_fn, args=(v1, v2))
+    assert abs(float(c.fetch(result)) - 0.125) < 1e-6
+    assert abs(float(v1) - 0.1) < 1e-6 and abs(float(v2) - 0.8) < 1e-6
+
+
 def test_killed_worker_closures_rescheduled_and_worker_restarted(strategy: Any) -> None:
+    """TF's WorkerPreemptionMidstFunction: a worker killed while closures run; its running
+    closure is rescheduled, Ray restarts it, and training still reaches the least-squares
+    solution (1e-3); every closure ran at least once."""
     x, y, solution = _least_squares_problem()
     w, b, count = _model(strategy)
     c = ClusterCoordinator(strategy)
@@ -196,54 +288,118 @@ def test_killed_worker_closures_rescheduled_and_worker_restarted(strategy: Any) 
     np.testing.assert_allclose(float(b), solution[4], atol=1e-3)
 
 
-def test_error_raised_once_queued_closures_cancelled(strategy: Any, tmp_path: Any) -> None:
-    c = ClusterCoordinator(strategy)
-    # The failing closure fails only once every later closure is queued (else schedule()
-    # itself may raise the error first, as it should, and the test would race).
-    gate = str(tmp_path / "fail-now")
+def _wait_for(condition: Any, what: str, timeout: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.01)
 
-    @strategy.function
-    def fails(ctx: Any, x: Any) -> Any:
-        if x.shape[0] == 1:
-            deadline = time.monotonic() + 120
-            while not os.path.exists(gate) and time.monotonic() < deadline:
-                time.sleep(0.01)
-            raise ValueError("boom from the closure")
+
+def _ping(actor: Any) -> int | None:
+    """The actor's process id, or None while Ray restarts it."""
+    try:
+        return int(ray.get(actor.ping.remote(), timeout=30))
+    except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+        return None
+
+
+def _gated(gate: str, message: str | None) -> Any:
+    """A function that, when traced on a worker, waits for the file ``gate`` and then
+    raises ``message`` (``None``: returns the sum). Each argument shape traces anew."""
+
+    def fn(ctx: Any, x: Any) -> Any:
+        deadline = time.monotonic() + 120
+        while not os.path.exists(gate) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        if message is not None:
+            raise ValueError(message)
         return jnp.sum(x)
 
-    @strategy.function
-    def slow(ctx: Any, m: Any) -> Any:
-        for _ in range(8):
-            m = jnp.tanh(m @ m)
-        return jnp.sum(m)
+    return fn
 
+
+def test_cancellation_and_in_flight_errors_are_one_error(strategy: Any, tmp_path: Any) -> None:
+    """TF's Cancellation and its error rules: the first error is raised once, by join, only
+    when no closure runs; another closure failing meanwhile is part of that error (a note),
+    not raised again; the queued closures are cancelled; the running ones finish."""
+    c = ClusterCoordinator(strategy)
+    first_gate, others_gate = str(tmp_path / "first"), str(tmp_path / "others")
+    fails = strategy.function(_gated(first_gate, "boom from the closure"))
+    fails_too = strategy.function(_gated(others_gate, "second boom"))
+    finishes = strategy.function(_gated(others_gate, None))
     first = c.schedule(fails, args=(np.ones(1, np.float32),))
-    later = [c.schedule(slow, args=(np.eye(200, dtype=np.float32),)) for _ in range(60)]
-    open(gate, "w").close()
-    with pytest.raises(ValueError, match="boom from the closure"):
-        c.join()
-    c.join()  # raised once, then cleared
-    assert c.done()
-    with pytest.raises(ValueError, match="boom"):
-        first.fetch()
-    cancelled = 0
-    for r in later:
-        try:
+    second = c.schedule(fails_too, args=(np.ones(2, np.float32),))
+    running_ok = c.schedule(finishes, args=(np.ones(3, np.float32),))
+    _wait_for(lambda: len(c._queue._running) == 3, "every worker to be busy")
+    queued = [c.schedule(finishes, args=(np.ones(4, np.float32),)) for _ in range(10)]
+    open(first_gate, "w").close()
+    _wait_for(lambda: c._queue._error is not None, "the first error")
+    for r in queued:  # cancelled at once, never run
+        with pytest.raises(concurrent.futures.CancelledError, match="cancel"):
             r.fetch()
-        except concurrent.futures.CancelledError as e:
-            assert "cancel" in str(e)
-            cancelled += 1
-    assert cancelled >= 1
-    # Scheduling works again, and schedule() itself raises a pending error once.
-    c.schedule(fails, args=(np.ones(1, np.float32),))
-    deadline = time.monotonic() + 60
-    while c._queue._error is None and time.monotonic() < deadline:
-        time.sleep(0.01)
-    with pytest.raises(ValueError, match="boom"):
-        c.schedule(fails, args=(np.ones(2, np.float32),))
-    ok = c.schedule(fails, args=(np.ones(2, np.float32),))
+    assert len(c._queue._running) == 2 and not c._queue._queue
+    open(others_gate, "w").close()
+    with pytest.raises(ValueError, match="boom from the closure") as raised:
+        c.join()
+    assert "second boom" in "".join(getattr(raised.value, "__notes__", []))
+    c.join()  # raised once, then cleared: the second failure is not raised again
+    assert c.done()
+    with pytest.raises(ValueError, match="second boom"):
+        second.fetch()
+    assert float(running_ok.fetch()) == 3.0
+    with pytest.raises(ValueError, match="boom from the closure"):
+        first.fetch()
+
+
+def test_schedule_raise_error_with_multiple_failure(strategy: Any, caplog: Any) -> None:
+    """TF's ScheduleRaiseErrorWithMultipleFailure: schedule raises the error once; the
+    failures of closures scheduled meanwhile are not raised again by join; scheduling then
+    works."""
+    c = ClusterCoordinator(strategy)
+    normal = strategy.function(lambda ctx, x: jnp.sum(x))
+
+    @strategy.function
+    def error_fn(ctx: Any, x: Any) -> Any:
+        raise ValueError("error_fn failed")
+
+    for _ in range(3):
+        c.schedule(normal, args=(np.ones(2, np.float32),))
+    c.schedule(error_fn, args=(np.ones(2, np.float32),))
+    deadline = time.monotonic() + 120
+    with (
+        caplog.at_level(logging.ERROR, logger="jaxdist.parameter_server"),
+        pytest.raises(ValueError, match="error_fn failed"),
+    ):
+        while time.monotonic() < deadline:
+            c.schedule(error_fn, args=(np.ones(2, np.float32),))
+    c.join()  # nothing more to raise
+    assert "failed running closure 'test_schedule_raise_error_with_multiple_failure" in caplog.text
+    assert "ValueError: error_fn failed" in caplog.text
+    ok = c.schedule(normal, args=(np.ones(2, np.float32),))
     c.join()
     assert float(ok.fetch()) == 2.0
+
+
+def test_join_logs_long_running_closures(strategy: Any, tmp_path: Any, caplog: Any) -> None:
+    """While join waits, the closures running for log_interval seconds are logged with
+    their workers every log_interval seconds (60 s by default)."""
+    c = ClusterCoordinator(strategy)
+    gate = str(tmp_path / "go")
+    slow = strategy.function(_gated(gate, None))
+    assert c.log_interval == 60.0
+    c.log_interval = 0.3
+    try:
+        rv = c.schedule(slow, args=(np.ones(5, np.float32),))
+        threading.Timer(2.0, lambda: open(gate, "w").close()).start()
+        with caplog.at_level(logging.WARNING, logger="jaxdist.parameter_server"):
+            c.join()
+    finally:
+        c.log_interval = 60.0
+    assert float(rv.fetch()) == 5.0
+    lines = [r.getMessage() for r in caplog.records if "waiting for 1 closure" in r.getMessage()]
+    assert len(lines) >= 2, caplog.text
+    assert "_gated.<locals>.fn' (test_parameter_server.py:" in lines[0]
+    assert "on /job:worker/replica:0/task:" in lines[0]
 
 
 def test_fetch_keeps_nested_structures(strategy: Any) -> None:
@@ -307,20 +463,80 @@ def test_current_worker_index(strategy: Any) -> None:
         index()
 
 
-def test_on_read_and_only_first_replica_counts(strategy: Any) -> None:
+def test_run_and_reduce_with_assign_add(strategy: Any) -> None:
+    """TF's RunAndReduce and RunAndReduceWithAssignAdd: strategy.run and strategy.reduce
+    inside the scheduled function, an update made in the inner replica function, and
+    reduce / experimental_local_results of the fetched result in the coordinator.
+    Reference: 3 + 1 = 4 from every closure, and one update per closure (exact)."""
+    with strategy.scope():
+        v = jd.Variable(1.0)
+        v1 = jd.Variable(0.0, aggregation="only_first_replica")
+
+    @strategy.function
+    def worker_fn(ctx: Any, v: Any, v1: Any, x: Any) -> Any:
+        def replica_fn(ctx: Any, x: Any) -> Any:
+            v1.assign_add(1.0)
+            return x + v.read_value()
+
+        run_result = strategy.run(replica_fn, args=(x,))
+        return strategy.reduce("sum", run_result, axis=None)
+
+    c = ClusterCoordinator(strategy)
+    results = [c.schedule(worker_fn, args=(v, v1, np.float32(3.0))) for _ in range(3)]
+    c.join()
+    assert [float(r.fetch()) for r in results] == [4.0] * 3
+    fetched = results[-1].fetch()
+    assert float(strategy.reduce("sum", fetched, axis=None)) == 4.0
+    assert [float(x) for x in strategy.experimental_local_results(fetched)] == [4.0]
+    assert float(v1) == 3.0 and float(v) == 1.0
+
+
+def test_distribute_datasets_from_function_on_workers(strategy: Any) -> None:
+    """TF's input recipe: create_per_worker_dataset(lambda: strategy.
+    distribute_datasets_from_function(dataset_fn)); each worker's pipeline starts at its
+    first batch. Reference: the batches' sums, per worker in order."""
+    c = ClusterCoordinator(strategy)
+
+    def dataset_fn(input_context: Any) -> Any:
+        batch = input_context.get_per_replica_batch_size(4)
+        return (np.full((batch,), i, np.float32) for i in range(100))
+
+    iterator = iter(
+        c.create_per_worker_dataset(lambda: strategy.distribute_datasets_from_function(dataset_fn))
+    )
+    total = strategy.function(
+        lambda ctx, batch: (jnp.sum(batch), jd.coordinator.experimental_get_current_worker_index())
+    )
+    results = [c.schedule(total, args=(iterator,)) for _ in range(9)]
+    c.join()
+    per_worker: dict[int, list[float]] = {}
+    for r in results:
+        value, worker = r.fetch()
+        per_worker.setdefault(int(worker), []).append(float(value))
+    for sums in per_worker.values():
+        assert sums == [4.0 * i for i in range(len(sums))]
+
+
+def test_variable_aggregation_counts(strategy: Any) -> None:
+    """TF's VariableAggregation: counters updated with ctx.assign_add only (nothing
+    returned) count every closure, whatever their aggregation (one replica per worker)."""
     with strategy.scope():
         on_read = jd.Variable(0, synchronization="on_read", aggregation="sum", trainable=False)
         first = jd.Variable(0.0, aggregation="only_first_replica")
+        mean = jd.Variable(0.0, aggregation="mean")
     c = ClusterCoordinator(strategy)
 
     @strategy.function
-    def count(ctx: Any, a: Any, b: Any) -> Any:
-        return ctx.assign_add(a, 1), ctx.assign_add(b, 1.0)
+    def count(ctx: Any, a: Any, b: Any, m: Any) -> Any:
+        ctx.assign_add(a, 1)
+        ctx.assign_add(b, 1.0)
+        ctx.assign_add(m, 0.5)
+        return jnp.float32(0.0)
 
     for _ in range(20):
-        c.schedule(count, args=(on_read, first))
+        c.schedule(count, args=(on_read, first, mean))
     c.join()
-    assert int(on_read) == 20 and float(first) == 20.0
+    assert int(on_read) == 20 and float(first) == 20.0 and float(mean) == 10.0
     # A plain jax.jit closure updates variables through their own methods.
     add = jax.jit(lambda v, x: v.assign_add(x))
     for _ in range(5):
@@ -330,6 +546,8 @@ def test_on_read_and_only_first_replica_counts(strategy: Any) -> None:
 
 
 def test_dead_parameter_server_surfaces(strategy: Any) -> None:
+    """TF's JoinRaisesUnavailableErrorAtPsFailure: a killed parameter server makes join (and
+    schedule) raise an error naming it within 60 s, and reading its variables raises."""
     s = jd.experimental.ParameterServerStrategy(_resolver(1, 1))
     try:
         with pytest.raises(ValueError, match=r"function\(\) of another strategy"):
@@ -361,8 +579,9 @@ def test_server_joins_this_machine_as_a_task(ray_runtime: None, tmp_path: Any) -
     the strategy places that task's actor on the node the Server started."""
     head = ray.get_runtime_context().gcs_address
     code = (
-        "import sys\n"
+        "import signal, sys\n"
         "from jaxdist.experimental.parameter_server.server import Server\n"
+        "signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # join() then cleans up\n"
         "spec = {'chief': [sys.argv[1]], 'worker': ['w0'], 'ps': ['p0']}\n"
         "server = Server(spec, job_name='worker', task_index=0, config={'num-cpus': 0})\n"
         "print('target', server.target, flush=True)\n"
@@ -409,6 +628,7 @@ def test_server_joins_this_machine_as_a_task(ray_runtime: None, tmp_path: Any) -
         os.killpg(proc.pid, signal.SIGTERM)
         proc.wait(timeout=90)
         log.close()
+    assert _recorded_cluster() != head, "the stopped Server left ray_current_cluster behind"
 
 
 def test_server_arguments() -> None:
@@ -434,11 +654,75 @@ def test_every_worker_gone_fails_the_queue(ray_runtime: None) -> None:
         noop = jax.jit(lambda x: x + 1)
         assert float(c.schedule(noop, args=(np.float32(1.0),)).fetch()) == 2.0
         ray.kill(s.extended.worker_actors[0], no_restart=True)
-        pending = [c.schedule(noop, args=(np.float32(1.0),)) for _ in range(3)]
+        pending: list[Any] = []
         with pytest.raises(RuntimeError, match=r"every worker task \(/job:worker\) is gone"):
+            for _ in range(3):  # schedule raises it once the first closure found no worker
+                pending.append(c.schedule(noop, args=(np.float32(1.0),)))
             c.join()
+        assert pending
         for r in pending:
             with pytest.raises(RuntimeError, match="every worker task"):
                 r.fetch()
+    finally:
+        s._shutdown()
+
+
+def test_worker_preemption_between_functions(ray_runtime: None) -> None:
+    """TF's WorkerPreemptionBetweenFunctions: a worker killed while idle is restarted; the
+    closures scheduled after it all run, each exactly once (none ran on the dead worker)."""
+    s = jd.experimental.ParameterServerStrategy(_resolver(2, 1))
+    try:
+        with s.scope():
+            count = jd.Variable(0, aggregation="sum")
+        c = ClusterCoordinator(s)
+        step = s.function(lambda ctx, v: ctx.assign_add(v, 1))
+        c.schedule(step, args=(count,))
+        c.join()
+        victim = s.extended.worker_actors[0]
+        pid = ray.get(victim.ping.remote())
+        ray.kill(victim, no_restart=False)
+        for _ in range(30):
+            c.schedule(step, args=(count,))
+        c.join()
+        assert int(count) == 31
+        _wait_for(lambda: _ping(victim) not in (None, pid), "the worker's restart")
+    finally:
+        s._shutdown()
+
+
+def test_closure_that_kills_its_worker_fails_join(ray_runtime: None, caplog: Any) -> None:
+    """A closure that crashes its worker every time (os._exit) is rescheduled
+    MAX_WORKER_LOSSES times, then join raises WorkerLossError naming it and the workers,
+    well within 60 s; each death and rescheduling is logged."""
+    from jaxdist.experimental.parameter_server import WorkerLossError
+    from jaxdist.experimental.parameter_server.coordinator import MAX_WORKER_LOSSES
+
+    s = jd.experimental.ParameterServerStrategy(_resolver(2, 1))
+    try:
+        c = ClusterCoordinator(s)
+
+        @s.function
+        def crash(ctx: Any, x: Any) -> Any:
+            os._exit(3)
+
+        start = time.monotonic()
+        with caplog.at_level(logging.WARNING, logger="jaxdist.parameter_server"):
+            rv = c.schedule(crash, args=(np.ones(2, np.float32),))
+            with pytest.raises(WorkerLossError) as raised:
+                c.join()
+        assert time.monotonic() - start < 60
+        message = str(raised.value)
+        assert "closure 'test_closure_that_kills_its_worker_fails_join.<locals>.crash'" in message
+        assert f"died each of the {MAX_WORKER_LOSSES + 1} times" in message
+        assert message.count("/job:worker/replica:0/task:") == MAX_WORKER_LOSSES + 1
+        with pytest.raises(WorkerLossError):
+            rv.fetch()
+        text = caplog.text
+        assert text.count("died while running closure") == MAX_WORKER_LOSSES + 1
+        assert text.count("rescheduling closure") == MAX_WORKER_LOSSES
+        # The workers come back: scheduling works again.
+        ok = c.schedule(jax.jit(lambda x: x + 1), args=(np.float32(1.0),))
+        c.join()
+        assert float(ok.fetch()) == 2.0
     finally:
         s._shutdown()

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import inspect
 import threading
 import types
 import warnings
@@ -26,6 +27,7 @@ from collections.abc import Callable, Hashable
 from typing import Any, cast
 
 import jax
+import numpy as np
 
 from jaxdist._jax_compat import concrete_array_type
 from jaxdist._protocols import StrategyLike
@@ -39,6 +41,26 @@ __all__ = ["Program", "get_program_cache_size", "program_for", "set_program_cach
 
 DEFAULT_CACHE_SIZE = 256
 RECOMPILE_WARNING_AFTER = 16
+
+
+def _check_outputs(fn: Callable[..., Any], where: str, out: Any) -> None:
+    """Raises (while tracing) naming the user's function and its file when it returned a
+    leaf that is not an array or a number (JAX would name jaxdist's own wrapper)."""
+    for path, leaf in jax.tree_util.tree_flatten_with_path(out)[0]:
+        if leaf is None or isinstance(leaf, (jax.Array, np.ndarray, np.generic, int, float,
+                                             complex, bool)):  # fmt: skip
+            continue
+        if hasattr(leaf, "dtype") and hasattr(leaf, "shape"):  # tracers, ShapeDtypeStructs
+            continue
+        name = getattr(fn, "__qualname__", None) or getattr(fn, "__name__", repr(fn))
+        code = getattr(inspect.unwrap(fn), "__code__", None)
+        at = f" ({code.co_filename}:{code.co_firstlineno})" if code is not None else ""
+        raise TypeError(
+            f"{where}: {name}{at} returned a {type(leaf).__name__} at "
+            f"result{jax.tree_util.keystr(path)}; a replica function returns arrays, "
+            "numbers and pytrees of them. Return the value as an array, or keep it out of "
+            "the result (print or log it inside instead)."
+        )
 
 
 class Program:
@@ -60,7 +82,9 @@ class Program:
             fn = fn_ref()
             if fn is None:  # pragma: no cover - the cache entry dies with the function
                 raise RuntimeError("jaxdist: the replica function was garbage collected.")
-            return replicated(fn, strategy, args, kwargs, plain=plain)
+            out = replicated(fn, strategy, args, kwargs, plain=plain)
+            _check_outputs(fn, f"{type(strategy).__name__}.run", out)
+            return out
 
         program.__name__ = program.__qualname__ = f"jaxdist_{name}"
         jit_kwargs: dict[str, Any] = {}

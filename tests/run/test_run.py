@@ -7,6 +7,8 @@ unless stated.
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -390,3 +392,19 @@ def test_replica_fn_without_ctx_is_explained(mirrored8: jd.MirroredStrategy) -> 
 def test_string_arguments_name_the_leaf(mirrored8: jd.MirroredStrategy) -> None:
     with pytest.raises(TypeError, match=r"args\[0\]\['names'\] is an array of dtype <U1"):
         mirrored8.run(lambda ctx, t: 1.0, args=({"names": np.array(["a", "b"])},))
+
+
+def test_a_replica_function_returning_a_string_is_named_with_its_file() -> None:
+    # Before: JAX's error named jaxdist's own wrapper (programs.py) instead of the function.
+    strategy = jd.MirroredStrategy()
+
+    @strategy.function
+    def greets(ctx: Any, x: Any) -> Any:
+        return {"loss": x, "note": "hello"}
+
+    with pytest.raises(
+        TypeError,
+        match=r"MirroredStrategy\.run: .*greets \(.*test_run\.py:\d+\) returned a str at "
+        r"result\['note'\]; a replica function returns arrays",
+    ):
+        greets(jnp.ones(()))

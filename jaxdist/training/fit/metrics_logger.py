@@ -10,7 +10,8 @@ epoch's end the epoch's `History` entries under their own names (``"loss"``,
 install jaxdist[logging]``) they are TensorBoard event files in ``logdir``;
 without it, ``logdir/metrics.jsonl`` holds one JSON object per logged step, each
 with its ``"step"`` (and ``"epoch"`` for an epoch's end). In a job of several
-processes only process 0 writes.
+processes only process 0 writes (every process reads the logged steps' values,
+in the same order).
 
 Reading a step's metrics waits for that step (fit otherwise reads them one step
 late), so a logged step costs one device sync; ``every_n_steps`` bounds that.
@@ -72,7 +73,7 @@ class MetricsLogger(Callback):
 
     Example:
         >>> import jaxdist as jd
-        >>> logger = jd.training.MetricsLogger("/tmp/logs", every_n_steps=50)
+        >>> logger = jd.training.MetricsLogger("logs", every_n_steps=50)
         >>> logger.every_n_steps
         50
     """
@@ -132,9 +133,15 @@ class MetricsLogger(Callback):
         self._last = (self.loop.step, time.perf_counter())
 
     def on_step_end(self, step: int, logs: Mapping[str, float]) -> None:
-        if self.every_n_steps is None or step % self.every_n_steps or not self._active():
+        if self.every_n_steps is None or step % self.every_n_steps:
             return
+        # Every process reads the step's metrics (and the learning rate) at the same step:
+        # reading a value of a multi-process array can be a collective program, which
+        # the processes must run in the same order. Only process 0 writes.
         values = {f"step/{k}": float(v) for k, v in logs.items()}  # waits for the step
+        lr = learning_rate(self.loop.state)
+        if not self._active():
+            return
         now = time.perf_counter()
         if self._last is not None and step > self._last[0]:
             steps_per_s = (step - self._last[0]) / max(now - self._last[1], 1e-9)
@@ -142,7 +149,6 @@ class MetricsLogger(Callback):
             rows = getattr(logs, "rows", 0)
             if rows:
                 values["step/examples_per_second"] = rows * steps_per_s
-        lr = learning_rate(self.loop.state)
         if lr is not None:
             values["step/learning_rate"] = lr
         self._last = (step, now)

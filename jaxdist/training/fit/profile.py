@@ -46,7 +46,7 @@ class Profile(Callback):
 
     Example:
         >>> import jaxdist as jd
-        >>> profile = jd.training.Profile("/tmp/trace", steps=(10, 15))
+        >>> profile = jd.training.Profile("trace", steps=(10, 15))
         >>> profile.steps
         (10, 15)
     """

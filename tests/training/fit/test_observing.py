@@ -22,7 +22,7 @@ import pytest
 
 import jaxdist as jd
 
-STEPS_PER_EPOCH = 4
+from _helpers import run_workers, worker_script
 
 
 def _run(callbacks: list, epochs: int = 2) -> tuple[jd.training.History, list[dict[str, float]]]:
@@ -153,3 +153,64 @@ def test_profile_traces_the_requested_steps_only(tmp_path: Path) -> None:
 def test_profile_arguments() -> None:
     with pytest.raises(ValueError, match=r"Profile: steps must be \(start, stop\) with 0 <= start"):
         jd.training.Profile("trace", steps=(5, 5))
+
+
+_TWO_PROCESSES = worker_script(
+    """
+    import jax.numpy as jnp
+    import numpy as np
+    import optax
+
+    import jaxdist as jd
+
+    directory = sys.argv[3]
+    strategy = jd.MultiWorkerMirroredStrategy()
+
+    def dataset_fn(ctx):
+        rng = np.random.default_rng(ctx.input_pipeline_id)
+        x = rng.normal(size=(64, 3)).astype(np.float32)
+        return jd.data.from_arrays(x, x.sum(-1), batch_size=4)
+
+    with strategy.scope():
+        state = jd.TrainState.create(apply_fn=None, params={"w": jnp.zeros(3)},
+                                     tx=optax.sgd(0.1))
+
+    @jd.train_step(strategy)
+    def step(ctx, state, batch):
+        x, y = batch
+        loss_fn = lambda p: jd.compute_average_loss((x @ p["w"] - y) ** 2)
+        loss, grads = jax.value_and_grad(loss_fn)(state.params)
+        return state.apply_gradients(grads=ctx.all_reduce("sum", grads)), ctx.all_reduce(
+            "sum", loss)
+
+    logger = jd.training.MetricsLogger(os.path.join(directory, "logs"), every_n_steps=1,
+                                       backend="jsonl")
+    profile = jd.training.Profile(os.path.join(directory, "trace"), steps=(1, 2))
+    data = strategy.distribute_datasets_from_function(dataset_fn)
+    _, history = jd.fit(step, state, data=data, epochs=1, verbose=False,
+                        callbacks=[logger, profile])
+    print(json.dumps({"me": jax.process_index(), "trace": profile.directory,
+                      "window": [profile.started_at, profile.stopped_at], "steps": history.step,
+                      "flops": history.history["flops_per_step"]}), flush=True)
+    """
+)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_two_processes_one_log_and_a_trace_each(tmp_path: Path) -> None:
+    """A 2 x 4-device job: process 0 alone writes metrics.jsonl; each process writes its
+    own trace under ``process_<index>``; both report the same global FLOPs per step."""
+    results = run_workers(_TWO_PROCESSES.replace("sys.argv[3]", repr(str(tmp_path))))
+    assert [r["me"] for r in results] == [0, 1]
+    assert os.listdir(tmp_path / "logs") == ["metrics.jsonl"]
+    lines = (tmp_path / "logs" / "metrics.jsonl").read_text().splitlines()
+    steps = results[0]["steps"]
+    assert steps >= 3
+    expected = [*range(1, steps + 1), steps]  # every step, the epoch's end: one writer
+    assert [json.loads(line)["step"] for line in lines] == expected
+    for p, r in enumerate(results):
+        assert r["trace"] == str(tmp_path / "trace" / f"process_{p}")
+        assert r["window"] == [1, 2]
+        assert glob.glob(os.path.join(r["trace"], "plugins", "profile", "*", "*.xplane.pb"))
+    assert results[0]["flops"] == results[1]["flops"]

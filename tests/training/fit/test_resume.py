@@ -520,7 +520,9 @@ _PROGRAM = textwrap.dedent(
                      verbose=False, resume=resume)
     leaves = jax.tree.leaves(nnx.state((model, opt)))
     np.savez(out, *[np.asarray(v) for v in leaves])
-    print(json.dumps({"step": history.step, "history": history.history,
+    speed = ("examples_per_second", "flops_per_step", "tflops_per_device")  # differ run to run
+    metrics = {k: v for k, v in history.history.items() if k not in speed}
+    print(json.dumps({"step": history.step, "history": metrics,
                       "epochs": history.epochs}), flush=True)
     """
 )

@@ -12,7 +12,7 @@ rates from the times fit already takes. Cases:
 - ``digits``: the digits demo's CNN, one epoch of its training set per call
   (global batch 64 over 8 replicas), as ``benchmarks/digits.py`` runs it;
 - ``mlp``: the benchmark MLP 784-1024-1024-10, adamw, global batch 512 over 8
-  replicas, 20 steps per call.
+  replicas, 10 steps per call.
 
 Prints, per case, the paired ratio (time with the figures / time without,
 median and quartiles over interleaved rounds), the one-off cost of the FLOP
@@ -26,17 +26,18 @@ from __future__ import annotations
 import argparse
 import contextlib
 import importlib
-import itertools
 import statistics
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import _harness
-import jax
 import numpy as np
 import optax
 from flax import nnx
+from train_step import BATCH as MLP_BATCH  # the benchmark MLP
+from train_step import MLP
+from train_step import SIZES as MLP_SIZES
 
 import jaxdist as jd
 from jaxdist.examples import digits
@@ -45,9 +46,7 @@ from jaxdist.training.fit.meter import FitMeter
 # The module of `jd.fit` (``jaxdist.training.fit`` the attribute is the function).
 fit_module = importlib.import_module("jaxdist.training.fit.fit")
 
-MLP_SIZES = (784, 1024, 1024, 10)
-MLP_BATCH = 512
-MLP_STEPS = 20
+MLP_STEPS = 10
 DIGITS_BATCH = 64
 
 
@@ -60,16 +59,6 @@ def _without_meter() -> Iterator[None]:
         yield
     finally:
         fit_module.FitMeter = original  # type: ignore[misc]
-
-
-class MLP(nnx.Module):
-    def __init__(self, sizes: tuple[int, ...], rngs: nnx.Rngs) -> None:
-        self.layers = nnx.List([nnx.Linear(a, b, rngs=rngs) for a, b in itertools.pairwise(sizes)])
-
-    def __call__(self, x: jax.Array) -> jax.Array:
-        for layer in self.layers[:-1]:
-            x = jax.nn.relu(layer(x))
-        return self.layers[-1](x)
 
 
 def _mlp_case(strategy: jd.Strategy) -> tuple[Callable[..., Any], dict[str, Any]]:
@@ -92,9 +81,7 @@ def _mlp_case(strategy: jd.Strategy) -> tuple[Callable[..., Any], dict[str, Any]
     rng = np.random.default_rng(0)
     x = rng.normal(size=(MLP_BATCH * MLP_STEPS, MLP_SIZES[0])).astype(np.float32)
     y = rng.integers(0, 10, size=(MLP_BATCH * MLP_STEPS,)).astype(np.int32)
-    data = strategy.experimental_distribute_dataset(
-        jd.data.from_arrays(x, y, batch_size=MLP_BATCH)
-    )
+    data = strategy.experimental_distribute_dataset(jd.data.from_arrays(x, y, batch_size=MLP_BATCH))
 
     def run(**kwargs: Any) -> Any:
         return jd.fit(step, model, opt, data=data, progress=False, verbose=False, **kwargs)

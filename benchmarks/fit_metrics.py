@@ -119,12 +119,32 @@ def _flop_count_seconds(strategy: jd.Strategy, parts: dict[str, Any], calls: int
     return statistics.median(times)
 
 
+def _arithmetic_seconds(strategy: jd.Strategy, calls: int = 20_000) -> tuple[float, float]:
+    """Seconds per call of the epoch's figures (`FitMeter.rates`, once per epoch and per
+    bar redraw) and of the loop's per-step check (is the FLOP count still to be read?)."""
+    meter = FitMeter(strategy, flops_per_step=1e9, peak_flops_per_device=1e12, tokens_per_example=8)
+    start = time.perf_counter()
+    for _ in range(calls):
+        meter.rates(100, 6400, 1.5)
+    rates = (time.perf_counter() - start) / calls
+    start = time.perf_counter()
+    for _ in range(calls):
+        if meter is not None and not meter.measured:
+            pass
+    return rates, (time.perf_counter() - start) / calls
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=15)
     args = parser.parse_args()
     strategy = jd.MirroredStrategy()
     print(_harness.describe_machine())
+    rates, check = _arithmetic_seconds(strategy)
+    print(
+        f"the figures' arithmetic: {rates * 1e6:.1f} us per epoch (and per bar redraw), "
+        f"{check * 1e9:.0f} ns per step"
+    )
     for name, make in (("digits", _digits_case), ("mlp", _mlp_case)):
         run, parts = make(strategy)
 

@@ -19,8 +19,11 @@ Four routes run the same step on the same placed batch:
 
 Each route is timed in interleaved rounds (`_harness.sample`); the figure is the median
 time per step, and the ratio is against ``hand`` in the same round. One JSON line per
-model. ``--tiny`` shrinks every model to a few hundred parameters, to check on a CPU
-that the script runs (its figures mean nothing).
+model, with the model FLOPs per step (the hand step's cost analysis), the achieved
+TFLOP/s and the MFU against the device's dense peak (``jaxdist.training.fit.throughput``,
+the figures `jd.fit` reports; no MFU for a device without a known peak). ``--tiny``
+shrinks every model to a few hundred parameters, to check on a CPU that the script runs
+(its figures mean nothing).
 
 Usage: python benchmarks/gpu_train.py [--tiny] [mlp] [tfm256] [tfm768]
 """
@@ -41,6 +44,7 @@ import optax
 from flax import nnx
 
 import jaxdist as jd
+from jaxdist.training.fit.throughput import compiled_flops, peak_flops_per_device
 
 GROUP = 8
 
@@ -141,6 +145,7 @@ def routes(spec: tuple) -> tuple[dict, int]:
 
     hand = jax.jit(_hand, donate_argnums=(0, 1))
     hand_state = list(own((params0, tx.init(params0))))
+    flops = compiled_flops(hand.lower(*hand_state, x, y).compile(), 1)  # the same step
 
     def run_hand():
         p, o, loss = hand(*hand_state, x, y)
@@ -179,16 +184,20 @@ def routes(spec: tuple) -> tuple[dict, int]:
         batches = itertools.repeat(batch)
         return lambda: step(m, o, batches).block_until_ready()
 
-    return {
-        "hand": run_hand,
-        "nnx.jit": run_flax,
-        "train_step": jd_route(1),
-        f"train_step k={GROUP}": jd_route(GROUP),
-    }, leaves
+    return (
+        {
+            "hand": run_hand,
+            "nnx.jit": run_flax,
+            "train_step": jd_route(1),
+            f"train_step k={GROUP}": jd_route(GROUP),
+        },
+        leaves,
+        flops,
+    )
 
 
 def measure(name: str, spec: tuple, rounds: int, budget_s: float) -> dict:
-    cands, leaves = routes(spec)
+    cands, leaves, flops = routes(spec)
     for fn in cands.values():  # compile
         fn()
     start = time.perf_counter()
@@ -199,6 +208,10 @@ def measure(name: str, spec: tuple, rounds: int, budget_s: float) -> dict:
     key = f"train_step k={GROUP}"
     samples[key] = [t / GROUP for t in samples[key]]
     ratios = _harness.paired_ratios(samples, "hand")
+    # Achieved model FLOP/s per step time, and MFU against the dense peak when known
+    # (the calculator jd.fit uses; the model FLOPs from the hand step's cost analysis).
+    peak = peak_flops_per_device()
+    tflops = {k: flops / statistics.median(v) / 1e12 for k, v in samples.items()} if flops else {}
     return {
         "model": name,
         "state_leaves": leaves,
@@ -206,6 +219,9 @@ def measure(name: str, spec: tuple, rounds: int, budget_s: float) -> dict:
         "us_per_step": {k: round(statistics.median(v) * 1e6, 1) for k, v in samples.items()},
         "time_ratio_vs_hand": {k: round(ratios[k][0], 3) for k in samples},
         "ratio_quartiles": {k: [round(ratios[k][1], 3), round(ratios[k][2], 3)] for k in samples},
+        "flops_per_step": flops,
+        "tflops_per_device": {k: float(f"{v:.4g}") for k, v in tflops.items()},
+        "mfu": {k: float(f"{v * 1e12 / peak:.4g}") for k, v in tflops.items()} if peak else None,
         "calls_per_round": calls,
         "rounds": rounds,
     }

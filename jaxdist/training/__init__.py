@@ -9,6 +9,8 @@ step. `ModelCheckpoint` is Keras's name for the `Checkpoint` callback.
 from jaxdist.training.fit.callbacks import Callback, EarlyStopping, FitLoop, TerminateOnNaN
 from jaxdist.training.fit.checkpoints import Checkpoint, Restored, restore_checkpoint
 from jaxdist.training.fit.fit import FitInterrupted, FitPreempted, History, fit
+from jaxdist.training.fit.metrics_logger import MetricsLogger
+from jaxdist.training.fit.profile import Profile
 from jaxdist.training.step.accumulate import accumulate_gradients
 from jaxdist.training.step.guards import HostBatchWarning
 from jaxdist.training.step.losses import compute_average_loss, scale_regularization_loss
@@ -29,6 +31,8 @@ __all__ = [
     "History",
     "ModelCheckpoint",
     "HostBatchWarning",
+    "MetricsLogger",
+    "Profile",
     "Restored",
     "StepOptions",
     "TerminateOnNaN",

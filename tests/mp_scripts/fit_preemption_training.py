@@ -63,7 +63,9 @@ def main() -> None:
         f"leaf{i}": np.asarray(leaf)
         for i, leaf in enumerate(jax.tree.leaves([nnx.state(model), nnx.state(optimizer), state]))
     }
-    record = {"history": history.history, "epochs": history.epochs, "step": history.step}
+    speed = ("examples_per_second", "flops_per_step", "tflops_per_device")
+    metrics = {k: v for k, v in history.history.items() if k not in speed}
+    record = {"history": metrics, "epochs": history.epochs, "step": history.step}
     arrays["history"] = np.frombuffer(json.dumps(record).encode(), np.uint8)
     os.makedirs(args.out_dir, exist_ok=True)
     np.savez(os.path.join(args.out_dir, f"final.{jax.process_index()}.npz"), **arrays)

@@ -49,6 +49,7 @@ MARKERS: dict[str, dict[str, str]] = {
     "training.md": {
         "training": "optimizer = nnx.Optimizer(model, optax.adamw(1e-2)",
         "fit": "jd.accumulate_gradients(loss_fn",
+        "observing": 'jd.training.MetricsLogger("runs/demo/logs"',
     },
     "variables.md": {"variables": 'synchronization="on_read"'},
     "input.md": {"input": "def dataset_fn(input_context)"},
@@ -137,6 +138,20 @@ def test_training_snippet_runs_and_learns() -> None:
     accuracy = float(np.mean(np.argmax(np.asarray(model(x)), -1) == y))
     assert accuracy > 0.9, accuracy  # the label is x[:, 0] > 0: easily learnt
     assert float(scope["metrics"]["loss"]) < 0.5
+
+
+def test_observing_snippet_reports_speed_and_writes_logs_and_a_trace(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    scope = _run("observing", prelude=_block("training"))
+    history = scope["history"].history
+    for key in ("examples_per_second", "flops_per_step", "tflops_per_device", "mfu"):
+        assert len(history[key]) == 2 and history[key][-1] > 0, key
+    # MFU against the peak given (1 TFLOP/s): the achieved TFLOP/s per device, as a fraction.
+    np.testing.assert_allclose(history["mfu"][-1], history["tflops_per_device"][-1], rtol=1e-6)
+    assert any((tmp_path / "runs/demo/logs").iterdir())
+    assert list((tmp_path / "runs/demo/trace/process_0").rglob("*.xplane.pb"))
 
 
 @pytest.mark.timeout(120)

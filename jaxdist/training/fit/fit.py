@@ -85,6 +85,7 @@ from jaxdist.training.fit.checkpoints import Checkpoint
 from jaxdist.training.fit.groups import GroupFeed
 from jaxdist.training.fit.interrupts import Interrupts
 from jaxdist.training.fit.loop import FitInterrupted, FitPreempted, History, Runner
+from jaxdist.training.fit.meter import FitMeter
 from jaxdist.training.fit.preemption_hook import PreemptionHandlerLike, fit_checkpoint_of
 from jaxdist.training.fit.progress import Progress, want_bar
 from jaxdist.training.step.nnx import is_nnx_node
@@ -253,6 +254,9 @@ def fit(
     resume: bool = False,
     steps_per_execution: int | None = None,
     preemption_handler: PreemptionHandlerLike | None = None,
+    tokens_per_example: int | None = None,
+    flops_per_step: float | None = None,
+    peak_flops_per_device: float | None = None,
 ) -> Any:  # History, or (new_state, History) for functional state
     """Trains with ``step(*state, batch)`` over ``data`` for some epochs or steps.
 
@@ -325,6 +329,29 @@ def fit(
             lets training go on; ``grace_period`` saves, trains on and saves
             again before the deadline, as the handler documents. fit then
             leaves SIGTERM to the handler (no `FitPreempted`).
+        tokens_per_example: the tokens in one example (the sequence length of
+            a batch of token sequences): fit then reports tokens per second.
+        flops_per_step: the model FLOPs of one global step (all devices
+            together), e.g. ``6 * params * tokens_per_step`` plus attention.
+            By default fit reads them from the compiled step's cost analysis
+            (a `jaxdist.train_step` run one step per call; see
+            `jaxdist.training.fit.throughput` for what that counts); with
+            ``steps_per_execution > 1``, central storage or another callable,
+            only this gives them.
+        peak_flops_per_device: the device's dense peak FLOP/s for MFU; by
+            default looked up in `jaxdist.training.fit.throughput`'s table of
+            dense bf16 peaks (H100/H200 SXM, A100, TPU v4, v5e, v5p, v6e).
+            CPUs and unknown chips get no MFU unless this is given.
+
+    Speed: every epoch's line (and the progress bar) shows examples/s, steps/s,
+    tokens/s (with ``tokens_per_example``), achieved TFLOP/s per device (model
+    FLOPs per step x steps/s / devices) and MFU (that over the peak), and the
+    same figures land in ``history.history`` per epoch under
+    ``"examples_per_second"``, ``"tokens_per_second"``, ``"flops_per_step"``,
+    ``"tflops_per_device"`` and ``"mfu"`` (a fraction), each present when known.
+    They are taken from the epoch's training time (evaluation excluded), with
+    no device sync beyond fit's own; the first epoch's time includes
+    compiling the step.
 
     Returns:
         The `History` when every state argument is an NNX object; otherwise
@@ -431,6 +458,12 @@ def fit(
         steps=steps,
     )
     history = History(step=initial_step)
+    meter = FitMeter(
+        strategy,
+        flops_per_step=flops_per_step,
+        peak_flops_per_device=peak_flops_per_device,
+        tokens_per_example=tokens_per_example,
+    )
     with strategy.scope(), Interrupts(term=preemption_handler is None) as interrupts:
         try:
             train, total = _distributed(strategy, data)
@@ -454,6 +487,7 @@ def fit(
                 evaluation=evaluation,
                 track=checkpoint is not None,
                 preemption=preemption_handler,
+                meter=meter,
             )
             if resume:
                 assert checkpoint is not None

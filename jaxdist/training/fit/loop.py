@@ -18,6 +18,7 @@ from jaxdist.training.fit.callbacks import Callback, FitLoop, functional_result
 from jaxdist.training.fit.checkpoints import Checkpoint, Resumed
 from jaxdist.training.fit.groups import GroupFeed
 from jaxdist.training.fit.interrupts import PREEMPTED_EXIT_CODE, Interrupts
+from jaxdist.training.fit.meter import FitMeter
 from jaxdist.training.fit.modes import eval_mode
 from jaxdist.training.fit.preemption_hook import PreemptionHandlerLike
 from jaxdist.training.fit.progress import EpochMean, MetricReader, Progress, StepLogs, as_metrics
@@ -41,7 +42,10 @@ class History:
         step: the global step reached (optimizer steps, from ``initial_step``).
         examples_per_second: training throughput of each epoch (real rows per
             second of the training steps, evaluation excluded; of the steps
-            after the restart, for an epoch resumed in its middle).
+            after the restart, for an epoch resumed in its middle); also
+            ``history["examples_per_second"]``, beside the other speed figures
+            there (``"tokens_per_second"``, ``"flops_per_step"``,
+            ``"tflops_per_device"``, ``"mfu"``; see `jaxdist.fit`).
         stopped_early: True when a callback set ``loop.stop_training``.
     """
 
@@ -51,11 +55,18 @@ class History:
     examples_per_second: list[float] = dataclasses.field(default_factory=list)
     stopped_early: bool = False
 
-    def record_epoch(self, epoch: int, logs: Mapping[str, float], examples_per_s: float) -> None:
-        """Adds one epoch's logs and throughput (called by `fit` at the end of each epoch)."""
+    def record_epoch(
+        self,
+        epoch: int,
+        logs: Mapping[str, float],
+        examples_per_s: float,
+        speed: Mapping[str, float] | None = None,
+    ) -> None:
+        """Adds one epoch's logs, throughput and other speed figures (called by `fit` at
+        the end of each epoch)."""
         self.epochs.append(epoch)
         self.examples_per_second.append(examples_per_s)
-        for k, v in logs.items():
+        for k, v in {**logs, **(speed or {})}.items():
             self.history.setdefault(k, []).append(v)
 
 
@@ -189,6 +200,8 @@ class Runner:
     resumed: Resumed | None = None  # the checkpoint the first epoch resumes from
     reader: MetricReader = dataclasses.field(default_factory=MetricReader)
     checked: bool = False
+    meter: FitMeter | None = None  # the speed figures (fit's flops_per_step=, ...)
+    steps_run: int = 0  # steps the last train_epoch ran (not those before a restart)
 
     def __post_init__(self) -> None:
         self.loop.record.history = self.history
@@ -249,6 +262,7 @@ class Runner:
         rows trained, training seconds)."""
         loop, interrupts, display, record = self.loop, self.interrupts, self.display, None
         mean, done, start = EpochMean(), 0, time.perf_counter()
+        self.steps_run = 0
         loop.at_epoch_end = False
         if self.track:
             record = loop.record
@@ -273,7 +287,7 @@ class Runner:
                     return mean.result(), done, 0, 0.0
             else:  # a new epoch (or a checkpoint without a data position: its epoch afresh)
                 batch = next(it, _END)
-            rows_before = mean.rows
+            rows_before, steps_before = mean.rows, done
             if batch is _END:
                 raise ValueError(
                     f"{_WHERE}: the data yielded no batches in epoch {loop.epoch + 1}. An iterator "
@@ -287,6 +301,8 @@ class Runner:
                     out = self.step(*loop.state, batch)
                     loop.state, raw = _new_state(out, loop, check=not self.checked)
                     loop.step += 1
+                if self.meter is not None and not self.meter.measured:
+                    start += self.meter.measure(self.step, loop.state, batch)
                 if not self.checked:
                     raw = as_metrics(raw, "step")
                     self.checked = True
@@ -297,8 +313,13 @@ class Runner:
                 if pending is not None:  # read one step late: the device runs ahead
                     mean.add(pending)
                     if display.bar:
-                        rate = (mean.rows - rows_before) / max(time.perf_counter() - start, 1e-9)
-                        display.step(done - 1, mean.result(), rate)
+                        seconds = time.perf_counter() - start
+                        rate = (mean.rows - rows_before) / max(seconds, 1e-9)
+                        speed = None
+                        if self.meter is not None:
+                            rows = mean.rows - rows_before
+                            speed = self.meter.rates(done - 1 - steps_before, rows, seconds)
+                        display.step(done - 1, mean.result(), rate, speed)
                 pending = logs
                 mid_group = loop.mid_group = self.mid_group()
                 if record is not None and not mid_group:  # the position after this batch
@@ -323,6 +344,7 @@ class Runner:
             mean.add(pending)
             if record is not None:
                 record.pending = None
+            self.steps_run = done - steps_before
             return mean.result(), done, mean.rows - rows_before, time.perf_counter() - start
         finally:
             _close(it)
@@ -435,8 +457,11 @@ class Runner:
             if total is None and loop.at_epoch_end:
                 self.total = done  # the data ran out: steps per epoch, now known
             rate = rows / max(seconds, 1e-9)
-            self.display.epoch_end(loop.epoch, done, logs, rate, seconds)
-            history.record_epoch(loop.epoch, logs, rate)
+            speed = None
+            if self.meter is not None:
+                speed = self.meter.rates(self.steps_run, rows, seconds)
+            self.display.epoch_end(loop.epoch, done, logs, rate, seconds, speed)
+            history.record_epoch(loop.epoch, logs, rate, None if speed is None else speed.as_logs())
             history.step = loop.step
             loop.record.epoch_ended = True
             for cb in self.callbacks:

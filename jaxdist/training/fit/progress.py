@@ -7,7 +7,8 @@ real rows) and finds the batch's real rows, and `EpochMean` weights the
 batches by them.
 
 The bar (tqdm, ``pip install tqdm``) shows the epoch, step/total, the
-epoch's running metrics and examples per second; it is redrawn at most ten
+epoch's running metrics and its speed (examples, steps and tokens per second,
+TFLOP/s per device and MFU, as far as known); it is redrawn at most ten
 times a second, so it costs nothing per step. Without a bar, `Progress`
 prints one line per epoch when ``verbose``, or nothing.
 """
@@ -25,6 +26,7 @@ import jax
 import numpy as np
 
 from jaxdist.training.fit.state_io import host_array
+from jaxdist.training.fit.throughput import Throughput
 from jaxdist.values.distributed import DistributedValues, Mirrored, PerReplica
 
 __all__ = [
@@ -34,6 +36,7 @@ __all__ = [
     "StepLogs",
     "as_metrics",
     "format_logs",
+    "format_speed",
     "want_bar",
 ]
 
@@ -94,6 +97,22 @@ def format_logs(logs: Mapping[str, float]) -> str:
     return "  ".join(f"{k} {_number(v)}" for k, v in logs.items())
 
 
+def format_speed(examples_per_s: float, speed: Throughput | None) -> str:
+    """``"5,120 examples/s  10.0 steps/s  0.012 TFLOP/s/device  MFU 41.2%"``: the figures
+    that are known (tokens/s with ``tokens_per_example``, TFLOP/s with a FLOP count, MFU
+    with a peak too)."""
+    parts = [f"{examples_per_s:,.0f} examples/s"]
+    if speed is not None:
+        parts.append(f"{speed.steps_per_second:,.2f} steps/s")
+        if speed.tokens_per_second is not None:
+            parts.append(f"{speed.tokens_per_second:,.0f} tokens/s")
+        if speed.tflops_per_device is not None:
+            parts.append(f"{speed.tflops_per_device:.4g} TFLOP/s/device")
+        if speed.mfu is not None:
+            parts.append(f"MFU {100 * speed.mfu:.3g}%")
+    return "  ".join(parts)
+
+
 class Progress:
     """Shows a `fit` run: a bar per epoch, or one line per epoch, or nothing."""
 
@@ -131,7 +150,13 @@ class Progress:
         self._shown = 0
         self._last_draw = time.perf_counter()
 
-    def step(self, steps_done: int, running: Mapping[str, float], examples_per_s: float) -> None:
+    def step(
+        self,
+        steps_done: int,
+        running: Mapping[str, float],
+        examples_per_s: float,
+        speed: Throughput | None = None,
+    ) -> None:
         """Advances the bar to ``steps_done`` steps of this epoch (redrawn at most every 0.1 s)."""
         if self._bar is None:
             return
@@ -139,12 +164,14 @@ class Progress:
         if now - self._last_draw < _REDRAW_S:
             return
         self._last_draw = now
-        self._bar.set_postfix_str(self._postfix(running, examples_per_s), refresh=False)
+        self._bar.set_postfix_str(self._postfix(running, examples_per_s, speed), refresh=False)
         self._bar.update(steps_done - self._shown)
         self._shown = steps_done
 
-    def _postfix(self, logs: Mapping[str, float], examples_per_s: float) -> str:
-        return f"{format_logs(logs)}  {examples_per_s:,.0f} examples/s"
+    def _postfix(
+        self, logs: Mapping[str, float], examples_per_s: float, speed: Throughput | None
+    ) -> str:
+        return f"{format_logs(logs)}  {format_speed(examples_per_s, speed)}"
 
     def epoch_end(
         self,
@@ -153,17 +180,18 @@ class Progress:
         logs: Mapping[str, float],
         examples_per_s: float,
         seconds: float,
+        speed: Throughput | None = None,
     ) -> None:
         """Completes the epoch's bar with its final metrics, or prints the epoch's line."""
         if self._bar is not None:
-            self._bar.set_postfix_str(self._postfix(logs, examples_per_s), refresh=False)
+            self._bar.set_postfix_str(self._postfix(logs, examples_per_s, speed), refresh=False)
             self._bar.update(steps_done - self._shown)
             self._bar.close()
             self._bar = None
         elif self.verbose:
             print(
                 f"{self._title(epoch)}  {steps_done} steps  {seconds:.1f}s  "
-                f"{examples_per_s:,.0f} examples/s  {format_logs(logs)}",
+                f"{format_speed(examples_per_s, speed)}  {format_logs(logs)}",
                 file=self.stream,
                 flush=True,
             )

@@ -410,7 +410,7 @@ def replicated(
         kinds = [leaf for leaf in trace.leaves if not isinstance(leaf, _Static)]
         # Sharded state the same on every replica: computed as each device's slice.
         sliced = {
-            i: kind[1][1].cut
+            i: kind[1][1]
             for i, (kind, info) in enumerate(zip(kinds, infos, strict=True))
             if kind[0] == _OUT_SHARDED and not info.varying and kind[1][1].cut
         }

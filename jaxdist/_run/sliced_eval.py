@@ -43,7 +43,7 @@ import jax
 from jax import lax
 
 from jaxdist._jax_compat import axis_names, is_literal, primitive_name
-from jaxdist._run.stored import Cut, local_block, to_varying
+from jaxdist._run.stored import Stored, local_block, scatter_sum, to_varying
 
 __all__ = ["eval_sliced"]
 
@@ -103,6 +103,31 @@ def _inlined(jaxpr: Any, consts: Sequence[Any], *args: Any) -> list[Any]:
     return [read(a) for a in jaxpr.outvars]
 
 
+def _gathers(eqn: Any, cut: tuple[int, tuple[str, ...], int]) -> bool:
+    """``eqn`` is the gather of one cut on entry (`jaxdist._run.stored.gather`): a tiled
+    ``all_gather`` over the cut's axes along its dimension, alone or in a nested
+    ``shard_map`` over the automatic axes (casts before it)."""
+    d, axes, _ = cut
+    if primitive_name(eqn) == "shard_map":
+        inner = eqn.params.get("jaxpr")
+        eqns = getattr(inner, "eqns", None)
+        if not eqns or len(eqn.invars) != 1 or len(eqn.outvars) != 1:
+            return False
+        *casts, last = eqns
+        if any(primitive_name(e) not in CASTS for e in casts):
+            return False
+        if list(inner.outvars) != list(last.outvars):
+            return False
+        eqn = last
+    return (
+        primitive_name(eqn) == "all_gather"
+        and bool(eqn.params.get("tiled"))
+        and eqn.params.get("all_gather_dimension") == d
+        and axis_names(eqn.params.get("axis_name")) == axes
+        and eqn.params.get("axis_index_groups") is None
+    )
+
+
 def _pure(eqn: Any) -> bool:
     """No effect but naming mesh axes (as collectives do): may be run late, or never."""
     return all(type(e).__name__ == "NamedAxisEffect" for e in eqn.effects)
@@ -118,13 +143,13 @@ def _bind(eqn: Any, args: list[Any]) -> Any:
 
 
 def _demand(
-    jaxpr: Any, sliced_outs: dict[int, Cut]
-) -> tuple[set[Any], dict[Any, set[Cut]], dict[int, Cut]]:
+    jaxpr: Any, sliced_outs: dict[int, Stored]
+) -> tuple[set[Any], dict[Any, set[Stored]], dict[int, Stored]]:
     """(vars needed whole, vars needed sliced -> cuts, equation index -> cut it runs
     sliced by), by a walk from the outputs back."""
     whole: set[Any] = set()
-    sliced: dict[Any, set[Cut]] = {}
-    eqn_dims: dict[int, Cut] = {}
+    sliced: dict[Any, set[Stored]] = {}
+    eqn_dims: dict[int, Stored] = {}
     for i, v in enumerate(jaxpr.outvars):
         if is_literal(v):
             continue
@@ -162,18 +187,18 @@ def eval_sliced(
     jaxpr: Any,
     consts: Sequence[Any],
     args: Sequence[Any],
-    sliced_outs: dict[int, Cut],
+    sliced_outs: dict[int, Stored],
     axis: str | tuple[str, ...],
 ) -> list[Any]:
     """Evaluates ``jaxpr`` (inside ``shard_map``, manual over the replica axes ``axis``);
-    output ``i`` in ``sliced_outs`` comes back as this device's block of the cut
-    ``sliced_outs[i]``, the others whole."""
+    output ``i`` in ``sliced_outs`` comes back as this device's block of the layout
+    ``sliced_outs[i]`` (its cut), the others whole."""
     if any(primitive_name(e) in JITS for e in jaxpr.eqns):
         closed = jax.make_jaxpr(functools.partial(_inlined, jaxpr, consts))(*args)
         jaxpr, consts = closed.jaxpr, closed.consts
     whole, _, eqn_dims = _demand(jaxpr, sliced_outs)
     env: dict[Any, Any] = {}
-    senv: dict[tuple[Any, Cut], Any] = {}
+    senv: dict[tuple[Any, Stored], Any] = {}
     producer: dict[Any, int] = {}
     deferred: set[int] = set()
 
@@ -195,24 +220,16 @@ def eval_sliced(
     def varying(x: Any) -> Any:
         return to_varying(jax.numpy.asarray(x), axis)
 
-    def read_sliced(a: Any, cut: Cut) -> Any:
+    def read_sliced(a: Any, layout: Stored) -> Any:
         if is_literal(a):
             return a.val
-        key = (a, cut)
+        key = (a, layout)
         if key in senv:
             return senv[key]
         index = producer.get(a)
         eqn = None if index is None else jaxpr.eqns[index]
-        one = cut[0] if len(cut) == 1 else None
-        if (
-            eqn is not None
-            and one is not None
-            and primitive_name(eqn) == "all_gather"
-            and eqn.params.get("tiled")
-            and eqn.params.get("all_gather_dimension") == one[0]
-            and axis_names(eqn.params.get("axis_name")) == one[1]
-            and eqn.params.get("axis_index_groups") is None
-        ):
+        one = layout.cut[0] if len(layout.cut) == 1 else None
+        if eqn is not None and one is not None and _gathers(eqn, one):
             value = read(eqn.invars[0])  # the device's own block
         elif (
             eqn is not None
@@ -223,16 +240,12 @@ def eval_sliced(
             and a not in env
         ):  # a sum over the replicas of which each keeps a slice: a reduce-scatter
             operand = read(eqn.invars[eqn.outvars.index(a)])
-            d, scatter, _ = one
-            value = lax.psum_scatter(operand, scatter, scatter_dimension=d, tiled=True)
-            rest = tuple(x for x in axis_names(eqn.params["axes"]) if x not in scatter)
-            if rest:
-                value = lax.psum(value, rest)
+            value = scatter_sum(operand, layout, axis_names(eqn.params["axes"]))
         elif index is not None and index in eqn_dims:
             run_sliced(index)
             value = senv[key]
         else:
-            value = local_block(read(a), cut)
+            value = local_block(read(a), layout.cut)
         senv[key] = value
         return value
 
@@ -252,7 +265,7 @@ def eval_sliced(
         name = primitive_name(eqn)
         if name == "broadcast_in_dim":
             block = list(shape)
-            for dim, _, blocks in d:
+            for dim, _, blocks in d.cut:
                 block[dim] //= blocks
             value = varying(lax.broadcast_in_dim(read(eqn.invars[0]), tuple(block), ()))
         elif name in CASTS:

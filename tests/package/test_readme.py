@@ -265,7 +265,8 @@ def test_mesh_snippet_lays_out_by_the_rules_and_trains_like_one_device() -> None
     loss, grads = nnx.value_and_grad(lambda m: jnp.mean((m(x) - jnp.sin(x)) ** 2))(ref)
     opt.update(ref, grads)
     np.testing.assert_allclose(float(scope["loss"]), float(loss), rtol=1e-5, atol=1e-6)
-    for a, b in zip(jax.tree.leaves(nnx.state(model)), jax.tree.leaves(nnx.state(ref))):
+    got, want = jax.tree.leaves(nnx.state(model)), jax.tree.leaves(nnx.state(ref))
+    for a, b in zip(got, want, strict=True):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
 
 

@@ -228,7 +228,7 @@ def test_a_checkpoint_restores_across_meshes_and_strategies(tmp_path: object) ->
     values, in the restoring strategy's layout."""
     first = mesh_strategy((2, 2, 2))
     with first.scope():
-        model = Decoder(nnx.Rngs(0))
+        model = Decoder(nnx.Rngs(0), layers=1)
         opt = nnx.Optimizer(model, optax.adamw(1e-2), wrt=nnx.Param)
     # Values that differ from a fresh model's: one step of training.
     tokens = np.random.default_rng(0).integers(0, 64, size=(16, 9)).astype(np.int32)
@@ -239,7 +239,7 @@ def test_a_checkpoint_restores_across_meshes_and_strategies(tmp_path: object) ->
 
     def restore_into(strategy: jd.Strategy, eager: bool) -> Decoder:
         with nnx.use_eager_sharding(eager), strategy.scope():
-            fresh = Decoder(nnx.Rngs(1))
+            fresh = Decoder(nnx.Rngs(1), layers=1)
         jd.checkpoint.Checkpoint(model=fresh).read(path)
         for a, b in zip(jax.tree.leaves(nnx.state(fresh)), saved, strict=True):
             np.testing.assert_array_equal(np.asarray(a), b)

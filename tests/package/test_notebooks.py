@@ -22,7 +22,13 @@ from _helpers import REPO
 
 NOTEBOOKS = REPO / "notebooks"
 # Every notebook in notebooks/ is checked and executed; these must be among them.
-EXPECTED = ("migrating_from_tf_distribute", "model_parallel", "quickstart", "scaling")
+EXPECTED = (
+    "mesh_parallel",
+    "migrating_from_tf_distribute",
+    "model_parallel",
+    "quickstart",
+    "scaling",
+)
 NAMES = sorted(p.stem for p in NOTEBOOKS.glob("*.ipynb"))
 
 # What a notebook may take here (2 CPU cores, 8 simulated devices); all of them together
@@ -87,6 +93,12 @@ USES = {
         "jd.experimental.CommunicationOptions(",
     ),
     "scaling": ("jd.accumulate_gradients(", "jd.compute_average_loss("),
+    "mesh_parallel": (
+        "jd.experimental.MeshStrategy(",
+        "jd.train_step(",
+        "strategy.scope()",
+        "experimental_distribute_dataset(",
+    ),
     "model_parallel": (
         "jd.experimental.FSDPStrategy(",
         "jd.MirroredStrategy(",

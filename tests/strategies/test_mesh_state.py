@@ -302,3 +302,44 @@ def test_experimental_create_builds_a_model_larger_than_a_device_share() -> None
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     assert _spec_of(model.blocks[0].attn.q.kernel.get_value(), strategy, P("fsdp", "tensor"))
     assert RULES[0] == ("batch", ("data", "fsdp"))
+
+
+def test_fit_resumes_a_checkpoint_on_another_mesh(tmp_path: object) -> None:
+    """One epoch at (2, 2, 2) with a `jd.training.Checkpoint`, then ``resume=True`` at
+    (1, 8, 1) for the second epoch: the same losses and state as two epochs at (2, 2, 2)."""
+    tokens = np.random.default_rng(1).integers(0, 64, size=(32, 9)).astype(np.int32)
+
+    calls: list[int] = []
+
+    def run(shape: tuple, epochs: int, directory: object) -> tuple[list[float], Decoder]:
+        calls.append(0)
+        strategy = mesh_strategy(shape)
+        with strategy.scope():
+            model = Decoder(nnx.Rngs(0), layers=1)
+            opt = nnx.Optimizer(model, optax.adamw(3e-3, eps=1e-5), wrt=nnx.Param)
+        step = _decoder_step(strategy)
+
+        def fit_step(model, opt, batch):  # type: ignore[no-untyped-def]
+            calls[-1] += 1
+            return {"loss": step(model, opt, *batch)}
+
+        data = jd.data.from_arrays(tokens[:, :-1], tokens[:, 1:], batch_size=16)
+        history = jd.fit(
+            fit_step,
+            model,
+            opt,
+            data=data,
+            epochs=epochs,
+            verbose=False,
+            strategy=strategy,
+            callbacks=[jd.training.Checkpoint(str(directory))],
+            resume=True,
+        )
+        return history.history["loss"], model
+
+    _, _ = run((2, 2, 2), 1, tmp_path / "a")  # type: ignore[operator]
+    resumed, model = run((1, 8, 1), 2, tmp_path / "a")  # type: ignore[operator]
+    straight, ref = run((2, 2, 2), 2, tmp_path / "b")  # type: ignore[operator]
+    assert calls == [2, 2, 4]  # the resumed run trained epoch 2 only
+    np.testing.assert_allclose(resumed[-1], straight[-1], rtol=RTOL, atol=ATOL)
+    _assert_close(nnx.state(model), nnx.state(ref))

@@ -27,9 +27,9 @@ import sys
 
 import _harness
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
+from _nnx_sides import hand_side, jaxdist_side
 from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -84,14 +84,6 @@ def _first_divisible(x: jax.Array, n: int) -> P:
     return P()
 
 
-def _per_device_bytes(tree: object) -> int:
-    per: dict[object, int] = {}
-    for leaf in jax.tree.leaves(tree):
-        for shard in leaf.addressable_shards:
-            per[shard.device] = per.get(shard.device, 0) + shard.data.nbytes
-    return max(per.values())
-
-
 def candidates() -> tuple[dict, dict]:
     tx = optax.adamw(1e-3)
     mirrored = jd.MirroredStrategy()
@@ -106,57 +98,18 @@ def candidates() -> tuple[dict, dict]:
     runs, memory = {}, {}
 
     # 1. Hand-written FSDP: NamedSharding on the first divisible dimension + jax.jit.
+    def shardings_of(state: object) -> object:
+        return jax.tree.map(lambda a: NamedSharding(mesh, _first_divisible(a, n)), state)
+
     model = Transformer(nnx.Rngs(0))
-    graphdef, params = nnx.split(model, nnx.Param)
-    params = nnx.to_pure_dict(params)
-    state = (params, tx.init(params))
-    shardings = jax.tree.map(lambda a: NamedSharding(mesh, _first_divisible(a, n)), state)
-    copy = jax.jit(lambda t: jax.tree.map(jnp.copy, t), out_shardings=shardings)
-    hand_state = [copy(state)]
-
-    def hand_step(state, x, y):  # type: ignore[no-untyped-def]
-        params, opt_state = state
-
-        def loss(p):  # type: ignore[no-untyped-def]
-            return _loss(nnx.merge(graphdef, nnx.State(p)), x, y).mean()
-
-        value, grads = jax.value_and_grad(loss)(params)
-        updates, opt_state = tx.update(grads, opt_state, params)
-        return (optax.apply_updates(params, updates), opt_state), value
-
-    hand = jax.jit(hand_step, out_shardings=(shardings, None), donate_argnums=(0,))
-
-    def run_hand() -> None:
-        hand_state[0], value = hand(hand_state[0], xg, yg)
-        value.block_until_ready()
-
-    runs["hand FSDP"] = run_hand
-    analysis = hand.lower(hand_state[0], xg, yg).compile().memory_analysis()
-    memory["hand FSDP"] = (lambda: _per_device_bytes(hand_state[0]), analysis)
+    runs["hand FSDP"], memory["hand FSDP"] = hand_side(model, tx, _loss, shardings_of, xg, yg)
 
     # 2. and 3. jd.train_step under FSDPStrategy and MirroredStrategy.
-    def jaxdist_side(strategy: jd.Strategy) -> tuple:
+    for name, strategy in (("FSDPStrategy", fsdp), ("Mirrored", mirrored)):
         model = Transformer(nnx.Rngs(0))
         opt = nnx.Optimizer(model, tx, wrt=nnx.Param)
-
-        @jd.train_step(strategy)
-        def step(ctx, model, opt, x, y):  # type: ignore[no-untyped-def]
-            def loss(m):  # type: ignore[no-untyped-def]
-                return jd.compute_average_loss(_loss(m, x, y), global_batch_size=BATCH)
-
-            value, grads = nnx.value_and_grad(loss)(model)
-            opt.update(model, ctx.all_reduce("sum", grads))
-            return ctx.all_reduce("sum", value)
-
-        def run() -> None:
-            step(model, opt, xs, ys).block_until_ready()
-
-        run()  # places the state
-        analysis = step.lower(model, opt, xs, ys).compile().memory_analysis()
-        return run, (lambda: _per_device_bytes(nnx.state((model, opt))), analysis)
-
-    runs["FSDPStrategy"], memory["FSDPStrategy"] = jaxdist_side(fsdp)
-    runs["Mirrored"], memory["Mirrored"] = jaxdist_side(mirrored)
+        side = jaxdist_side(strategy, model, opt, _loss, BATCH, xs, ys)
+        runs[name], memory[name] = side
     return runs, memory
 
 
@@ -178,7 +131,8 @@ def main() -> None:
             f"(time ratio {r:.3f}, quartiles {q1:.3f}-{q3:.3f})"
         )
     print("\nper device, MiB: state held between steps | compiled step: arguments, temporaries")
-    for name, (state_bytes, analysis) in memory.items():
+    for name, (state_bytes, compiled) in memory.items():
+        analysis = compiled.memory_analysis()
         args, temp = analysis.argument_size_in_bytes, analysis.temp_size_in_bytes
         print(f"{name:14s} {state_bytes() / 2**20:8.2f} | {args / 2**20:8.2f} {temp / 2**20:8.2f}")
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import json
+import math
 import os
 import re
 import signal
@@ -77,6 +78,18 @@ def per_device_bytes(tree: Any) -> int:
 def total_bytes(tree: Any) -> int:
     """The bytes of ``tree``'s arrays, each counted once."""
     return sum(leaf.nbytes for leaf in jax.tree.leaves(tree))
+
+
+def ruled_share(strategy: Any, objects: Any) -> float:
+    """Bytes one device should hold of ``objects``' state under a `MeshStrategy`: each
+    leaf's bytes over the product of the sizes of the mesh axes its ruled spec uses."""
+    sizes = dict(strategy.mesh.shape)
+    share = 0.0
+    layout = strategy.state_layout(objects)
+    for leaf, spec in zip(jax.tree.leaves(nnx.state(objects)), layout.values(), strict=True):
+        axes = [a for e in spec if e is not None for a in ((e,) if isinstance(e, str) else e)]
+        share += leaf.nbytes / math.prod(sizes[a] for a in axes)
+    return share
 
 
 def strategy_params(*names: str) -> list[Any]:
@@ -485,6 +498,25 @@ def mse_step(strategy: jd.Strategy, **kw: Any) -> Any:
 
         def loss_fn(m):  # type: ignore[no-untyped-def]
             return jd.compute_average_loss(jnp.mean((m(x) - y) ** 2, axis=-1))
+
+        loss, grads = nnx.value_and_grad(loss_fn)(model)
+        opt.update(model, ctx.all_reduce("sum", grads))
+        return ctx.all_reduce("sum", loss)
+
+    return step
+
+
+def loss_step(strategy: jd.Strategy, per_example: Any, global_batch_size: int) -> Any:
+    """``jd.train_step(strategy)`` of an NNX model and optimizer on ``(x, y)``:
+    ``per_example(model, x, y)`` averaged over the global batch, gradients all-reduced;
+    returns the summed loss."""
+
+    @jd.train_step(strategy)
+    def step(ctx, model, opt, x, y):  # type: ignore[no-untyped-def]
+        def loss_fn(m):  # type: ignore[no-untyped-def]
+            return jd.compute_average_loss(
+                per_example(m, x, y), global_batch_size=global_batch_size
+            )
 
         loss, grads = nnx.value_and_grad(loss_fn)(model)
         opt.update(model, ctx.all_reduce("sum", grads))

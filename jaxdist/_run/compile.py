@@ -14,10 +14,12 @@ comes back `Mirrored` (a plain array with one replica, or when the caller asks
 for plain arrays); any other comes back `PerReplica`, carrying the valid-row
 counts of the padded batch it was computed from, if any.
 
-Training state stored sharded (`jaxdist.experimental.FSDPStrategy`) enters as
-`Sharded` leaves, all-gathered on entry, and leaves as `Synced` leaves with a
-``dim``: each device's slice, computed as a slice where the jaxpr allows
-(`jaxdist._run.sliced_eval`).
+Training state stored sharded (`jaxdist.experimental.FSDPStrategy`,
+`MeshStrategy`) enters as `Sharded` leaves, all-gathered over the replica axes
+on entry, and leaves as `Synced` leaves with a `Stored` layout: each device's
+block, computed as a block where the jaxpr allows (`jaxdist._run.sliced_eval`);
+the layout's other (automatic) mesh axes are sharding constraints
+(`jaxdist._run.stored`).
 """
 
 from __future__ import annotations
@@ -36,7 +38,8 @@ from jax.sharding import PartitionSpec as P
 from jaxdist._jax_compat import axis_names, eval_jaxpr, varies, varying_axes
 from jaxdist._protocols import StrategyLike
 from jaxdist._run.invariance import analyze, assume_invariant
-from jaxdist._run.sliced_eval import eval_sliced, local_slice
+from jaxdist._run.sliced_eval import eval_sliced
+from jaxdist._run.stored import Stored, constrain, gather, local_block, to_varying
 from jaxdist._scope import replica_scope
 from jaxdist.context import ReplicaContext
 from jaxdist.values.distributed import DistributedValues, Mirrored, PerReplica
@@ -65,31 +68,32 @@ class Synced:
     Used for state updated in place by `jaxdist.train_step` (NNX variables). A
     value that differs between replicas is averaged across them when it is a
     float (like tf.distribute's ``ON_READ`` ``MEAN`` statistics); otherwise it
-    is an error naming ``what``. With ``dim`` (sharded state, `Sharded`), each
-    device keeps only its slice along ``dim`` of that one copy.
+    is an error naming ``what``. With a ``layout`` (sharded state, `Sharded`), each
+    device keeps only its block of that one copy.
     """
 
-    __slots__ = ("dim", "value", "what")
+    __slots__ = ("layout", "value", "what")
 
-    def __init__(self, value: Any, what: str, dim: int | None = None) -> None:
+    def __init__(self, value: Any, what: str, layout: Stored | None = None) -> None:
         self.value = value
         self.what = what
-        self.dim = dim
+        self.layout = layout
 
 
 class Sharded:
-    """An input leaf stored sharded over the replica axis along ``dim`` (private).
+    """An input leaf stored sharded on the mesh as ``layout`` says (private).
 
     Made by `jaxdist.train_step` inside its jitted program for state stored
-    sharded (`FSDPStrategy`); the replica function sees the whole array,
-    all-gathered on entry.
+    sharded (`FSDPStrategy`, `MeshStrategy`); the replica function sees the whole
+    array over the replica axes, all-gathered on entry, and constrained to the
+    layout's other axes.
     """
 
-    __slots__ = ("dim", "value")
+    __slots__ = ("layout", "value")
 
-    def __init__(self, value: Any, dim: int) -> None:
+    def __init__(self, value: Any, layout: Stored) -> None:
         self.value = value
-        self.dim = dim
+        self.layout = layout
 
 
 def dim_spec(axis: str | tuple[str, ...], dim: int | None, ndim: int) -> P:
@@ -216,8 +220,8 @@ def _flatten_inputs(
                 batch_leaves.append((len(flat) - 1, group))
         elif isinstance(leaf, Sharded):
             flat.append(leaf.value)
-            specs.append(dim_spec(axis, leaf.dim, np.ndim(leaf.value)))
-            kinds.append((_SHARDED, leaf.dim))
+            specs.append(leaf.layout.manual)
+            kinds.append((_SHARDED, leaf.layout))
         else:
             flat.append(leaf.array if isinstance(leaf, Mirrored) else leaf)
             specs.append(P())
@@ -256,8 +260,7 @@ def _enter(ctx: ReplicaContext, kind: int, meta: Any, x: Any) -> Any:
     if kind == _ON_WRITE:
         return Variable.from_stored(register_mirror(ctx, x), dataclasses.replace(meta, local=True))
     if kind == _SHARDED:  # the whole array, varying-typed like a broadcast input
-        x = lax.all_gather(x, axis, axis=meta, tiled=True)
-        return x if varies(x, axis) else lax.pcast(x, axis, to="varying")
+        return constrain(to_varying(gather(x, meta), axis), meta)
     if set(axis_names(axis)) <= varying_axes(x):
         return x
     # Broadcast inputs become per-replica values, so jax.grad inside fn gives each
@@ -338,10 +341,10 @@ def _out_leaf(leaf: Any, trace: _Trace, strategy: StrategyLike) -> Any:
             trace.leaves.append((_OUT_ON_WRITE, leaf.meta))
         return leaf.stored
     if isinstance(leaf, Synced):
-        if leaf.dim is None:
+        if leaf.layout is None:
             trace.leaves.append((_OUT_SYNCED, leaf.what))
         else:
-            trace.leaves.append((_OUT_SHARDED, (leaf.what, leaf.dim)))
+            trace.leaves.append((_OUT_SHARDED, (leaf.what, leaf.layout)))
         return jax.numpy.asarray(leaf.value)
     if isinstance(leaf, DistributedValues):
         raise TypeError(
@@ -400,7 +403,8 @@ def replicated(
     def body(*local: Any) -> list[Any]:
         closed = jax.make_jaxpr(traced)(*local)
         tracked = [pos for pos, _ in inputs.batch_leaves]
-        infos = analyze(closed.jaxpr, axis, tracked)
+        blocks = [i for i, (kind, _) in enumerate(inputs.kinds) if kind == _SHARDED]
+        infos = analyze(closed.jaxpr, axis, tracked, blocks)
         trace.specs.clear()
         trace.makers.clear()
         kinds = [leaf for leaf in trace.leaves if not isinstance(leaf, _Static)]
@@ -408,10 +412,10 @@ def replicated(
         sliced = {
             i: kind[1][1]
             for i, (kind, info) in enumerate(zip(kinds, infos, strict=True))
-            if kind[0] == _OUT_SHARDED and not info.varying
+            if kind[0] == _OUT_SHARDED and not info.varying and kind[1][1].cut
         }
         if sliced:
-            outs = eval_sliced(closed.jaxpr, closed.consts, local, sliced, axis, n)
+            outs = eval_sliced(closed.jaxpr, closed.consts, local, sliced, axis)
         else:
             outs = eval_jaxpr(closed.jaxpr, closed.consts, *local)
         return [
@@ -457,9 +461,9 @@ def _finish(
     (``presliced``: a sharded output already computed as this replica's slice)."""
     axis = strategy.axis_name
     out_kind, meta = kind
-    shard_dim = None
+    layout = None
     if out_kind == _OUT_SHARDED:  # synced state, then each device's slice of it
-        out_kind, (meta, shard_dim) = _OUT_SYNCED, meta
+        out_kind, (meta, layout) = _OUT_SYNCED, meta
     typed_varying = varies(x, axis)
     if info.varying and not typed_varying:
         # Typed invariant, yet replicas reached it through different control flow (a
@@ -494,10 +498,14 @@ def _finish(
             raise varying_variable_error(meta, f"{type(strategy).__name__}.run")
     group = None if same_everywhere else _valid_group(x, info, inputs)
     if same_everywhere or (n == 1 and group is None):
-        if shard_dim is not None:
-            trace.specs.append(dim_spec(axis, shard_dim, x.ndim))
+        if layout is not None:
+            trace.specs.append(layout.manual)
             trace.makers.append(_identity)
-            return x if presliced else local_slice(x, axis, shard_dim, n)
+            block = x if presliced else local_block(x, layout.cut)
+            # The same block on every device of the other replica axes: typed so.
+            split = {a for _, axes, _ in layout.cut for a in axes}
+            block = assume_invariant(block, [a for a in axis_names(axis) if a not in split])
+            return constrain(block, layout)
         if typed_varying:
             x = assume_invariant(x, axis)
         trace.specs.append(P())

@@ -322,18 +322,26 @@ def _reduces_over(eqn: Any, axes: frozenset[str]) -> bool:
     return names is not None and axes <= frozenset(names)
 
 
-def analyze(jaxpr: Any, axes: str | Sequence[str], tracked: Sequence[int] = ()) -> list[ValueInfo]:
+def analyze(
+    jaxpr: Any,
+    axes: str | Sequence[str],
+    tracked: Sequence[int] = (),
+    blocks: Sequence[int] = (),
+) -> list[ValueInfo]:
     """`ValueInfo` for each output of ``jaxpr`` (an open `jax.extend.core.Jaxpr`).
 
     Its inputs are the replica-local inputs of a ``shard_map`` body over the
-    replica ``axes``: an input typed varying is per-replica data. Dependence is
-    tracked for the input positions in ``tracked`` (bit ``k`` for
-    ``tracked[k]``).
+    replica ``axes``: an input typed varying is per-replica data, except those at
+    the positions in ``blocks``: each device's block of one array stored sharded,
+    which the function all-gathers before any other use (`jaxdist._run.stored`), so
+    the same value everywhere. Dependence is tracked for the input positions in
+    ``tracked`` (bit ``k`` for ``tracked[k]``).
     """
     axis_set = frozenset((axes,) if isinstance(axes, str) else axes)
     bit = {pos: 1 << k for k, pos in enumerate(tracked)}
+    shared = set(blocks)
     ins = [
-        ValueInfo(_typed_varying(v.aval, axis_set), bit.get(i, 0))
+        ValueInfo(i not in shared and _typed_varying(v.aval, axis_set), bit.get(i, 0))
         for i, v in enumerate(jaxpr.invars)
     ]
     return _walk(jaxpr, ins, axis_set)

@@ -1,22 +1,27 @@
 """Evaluating a replica function's jaxpr when some outputs are wanted as one slice.
 
-Sharded training state (`jaxdist.experimental.FSDPStrategy`) leaves a step as
-each device's block of an output that is the same on every replica: the
-updated parameters and optimizer state. Computing the whole output on every
+Sharded training state (`jaxdist.experimental.FSDPStrategy`, `MeshStrategy`)
+leaves a step as each device's block of an output that is the same on every
+replica: the updated parameters and optimizer state. A block is a `Cut`
+(`jaxdist._run.stored`): dimensions split over replica axes. Computing the whole output on every
 device and then slicing it repeats the optimizer's work ``n`` times and keeps a
 gathered copy of the optimizer state alive. `eval_sliced` instead pushes the
 slice up the jaxpr (nested ``jit`` equations evaluated in line first),
 through element-wise equations, as XLA's partitioner would for a global-view
 program:
 
-- an element-wise equation whose result is only needed sliced (along one
-  dimension) runs on the slices of its operands (scalar operands whole);
-- the slice of an ``all_gather`` (tiled, over the replica axis, along that
+- an element-wise equation whose result is only needed sliced (by one cut)
+  runs on the slices of its operands (scalar operands whole);
+- the slice of an ``all_gather`` (tiled, over the cut's axes, along its one
   dimension) is the gathered operand itself: the device's own block, so the
   optimizer state is never gathered;
-- the slice of a ``psum`` over the replica axis (the all-reduced gradients)
-  that is needed whole nowhere is a ``psum_scatter`` (a reduce-scatter: half
-  the traffic of the all-reduce);
+- the slice of a ``psum`` over replica axes (the all-reduced gradients) that
+  is needed whole nowhere, cut along one dimension over some of those axes, is
+  a ``psum_scatter`` over the cut's axes (a reduce-scatter: half the traffic
+  of the all-reduce), then a ``psum`` over the others; a ``psum`` of several
+  operands (a gradient tree) is taken operand by operand, so a replicated
+  leaf's whole sum leaves the others' slices alone (XLA combines the sums
+  that remain);
 - any other value is computed whole and sliced with ``dynamic_slice`` at the
   replica's index.
 
@@ -37,9 +42,10 @@ from typing import Any
 import jax
 from jax import lax
 
-from jaxdist._jax_compat import axis_names, is_literal, primitive_name, varies
+from jaxdist._jax_compat import axis_names, is_literal, primitive_name
+from jaxdist._run.stored import Stored, local_block, scatter_sum, to_varying
 
-__all__ = ["eval_sliced", "local_slice"]
+__all__ = ["eval_sliced"]
 
 # Element-wise primitives: every operand has the result's shape or is a scalar.
 ELEMENTWISE = frozenset(
@@ -57,12 +63,9 @@ JITS = frozenset({"jit", "pjit"})
 SUMS = frozenset({"psum", "psum_invariant"})
 # Casts of the varying-axes type: the identity on values.
 CASTS = frozenset({"pvary", "pcast"})
-
-
-def local_slice(x: Any, axis: str | tuple[str, ...], dim: int, n: int) -> Any:
-    """This replica's block ``axis_index`` of ``n`` along ``dim`` of ``x``."""
-    size = x.shape[dim] // n
-    return lax.dynamic_slice_in_dim(x, lax.axis_index(axis) * size, size, axis=dim)
+# Sharding constraints over the automatic axes (`jaxdist._run.stored`): a slice of one is
+# the same constraint on the slice.
+CONSTRAINTS = frozenset({"sharding_constraint"})
 
 
 def _shape(atom: Any) -> tuple[int, ...]:
@@ -73,7 +76,7 @@ def _sliceable(eqn: Any, out_shape: tuple[int, ...]) -> bool:
     name = primitive_name(eqn)
     if name == "broadcast_in_dim":
         return not _shape(eqn.invars[0])
-    if name not in ELEMENTWISE and name not in CASTS:
+    if name not in ELEMENTWISE and name not in CASTS and name not in CONSTRAINTS:
         return False
     return all(_shape(a) in (out_shape, ()) for a in eqn.invars)
 
@@ -100,6 +103,31 @@ def _inlined(jaxpr: Any, consts: Sequence[Any], *args: Any) -> list[Any]:
     return [read(a) for a in jaxpr.outvars]
 
 
+def _gathers(eqn: Any, cut: tuple[int, tuple[str, ...], int]) -> bool:
+    """``eqn`` is the gather of one cut on entry (`jaxdist._run.stored.gather`): a tiled
+    ``all_gather`` over the cut's axes along its dimension, alone or in a nested
+    ``shard_map`` over the automatic axes (casts before it)."""
+    d, axes, _ = cut
+    if primitive_name(eqn) == "shard_map":
+        inner = eqn.params.get("jaxpr")
+        eqns = getattr(inner, "eqns", None)
+        if not eqns or len(eqn.invars) != 1 or len(eqn.outvars) != 1:
+            return False
+        *casts, last = eqns
+        if any(primitive_name(e) not in CASTS for e in casts):
+            return False
+        if list(inner.outvars) != list(last.outvars):
+            return False
+        eqn = last
+    return (
+        primitive_name(eqn) == "all_gather"
+        and bool(eqn.params.get("tiled"))
+        and eqn.params.get("all_gather_dimension") == d
+        and axis_names(eqn.params.get("axis_name")) == axes
+        and eqn.params.get("axis_index_groups") is None
+    )
+
+
 def _pure(eqn: Any) -> bool:
     """No effect but naming mesh axes (as collectives do): may be run late, or never."""
     return all(type(e).__name__ == "NamedAxisEffect" for e in eqn.effects)
@@ -115,13 +143,13 @@ def _bind(eqn: Any, args: list[Any]) -> Any:
 
 
 def _demand(
-    jaxpr: Any, sliced_outs: dict[int, int]
-) -> tuple[set[Any], dict[Any, set[int]], dict[int, int]]:
-    """(vars needed whole, vars needed sliced -> dims, equation index -> dim it runs
-    sliced along), by a walk from the outputs back."""
+    jaxpr: Any, sliced_outs: dict[int, Stored]
+) -> tuple[set[Any], dict[Any, set[Stored]], dict[int, Stored]]:
+    """(vars needed whole, vars needed sliced -> cuts, equation index -> cut it runs
+    sliced by), by a walk from the outputs back."""
     whole: set[Any] = set()
-    sliced: dict[Any, set[int]] = {}
-    eqn_dims: dict[int, int] = {}
+    sliced: dict[Any, set[Stored]] = {}
+    eqn_dims: dict[int, Stored] = {}
     for i, v in enumerate(jaxpr.outvars):
         if is_literal(v):
             continue
@@ -159,65 +187,65 @@ def eval_sliced(
     jaxpr: Any,
     consts: Sequence[Any],
     args: Sequence[Any],
-    sliced_outs: dict[int, int],
+    sliced_outs: dict[int, Stored],
     axis: str | tuple[str, ...],
-    n: int,
 ) -> list[Any]:
-    """Evaluates ``jaxpr`` (inside ``shard_map``, manual over ``axis`` of size ``n``);
-    output ``i`` in ``sliced_outs`` comes back as this replica's block along dimension
-    ``sliced_outs[i]``, the others whole."""
+    """Evaluates ``jaxpr`` (inside ``shard_map``, manual over the replica axes ``axis``);
+    output ``i`` in ``sliced_outs`` comes back as this device's block of the layout
+    ``sliced_outs[i]`` (its cut), the others whole."""
     if any(primitive_name(e) in JITS for e in jaxpr.eqns):
         closed = jax.make_jaxpr(functools.partial(_inlined, jaxpr, consts))(*args)
         jaxpr, consts = closed.jaxpr, closed.consts
     whole, _, eqn_dims = _demand(jaxpr, sliced_outs)
-    names = set(axis_names(axis))
     env: dict[Any, Any] = {}
-    senv: dict[tuple[Any, int], Any] = {}
+    senv: dict[tuple[Any, Stored], Any] = {}
     producer: dict[Any, int] = {}
     deferred: set[int] = set()
 
     def read(a: Any) -> Any:
         if is_literal(a):
             return a.val
-        if a not in env:
-            run(producer[a])  # deferred: needed whole after all
+        if a not in env:  # deferred: needed whole after all
+            index = producer[a]
+            eqn = jaxpr.eqns[index]
+            if primitive_name(eqn) in SUMS and len(eqn.outvars) > 1:
+                # One operand of a sum of several (a gradient tree's all-reduce): that
+                # sum alone, so the other operands may still be reduce-scattered.
+                i = eqn.outvars.index(a)
+                env[a] = _bind(eqn, [read(eqn.invars[i])])[0]
+            else:
+                run(index)
         return env[a]
 
     def varying(x: Any) -> Any:
-        x = jax.numpy.asarray(x)
-        return x if varies(x, axis) else lax.pcast(x, axis, to="varying")
+        return to_varying(jax.numpy.asarray(x), axis)
 
-    def read_sliced(a: Any, d: int) -> Any:
+    def read_sliced(a: Any, layout: Stored) -> Any:
         if is_literal(a):
             return a.val
-        key = (a, d)
+        key = (a, layout)
         if key in senv:
             return senv[key]
         index = producer.get(a)
         eqn = None if index is None else jaxpr.eqns[index]
-        if (
-            eqn is not None
-            and primitive_name(eqn) == "all_gather"
-            and eqn.params.get("tiled")
-            and eqn.params.get("all_gather_dimension") == d
-            and set(axis_names(eqn.params.get("axis_name"))) == names
-            and eqn.params.get("axis_index_groups") is None
-        ):
+        one = layout.cut[0] if len(layout.cut) == 1 else None
+        if eqn is not None and one is not None and _gathers(eqn, one):
             value = read(eqn.invars[0])  # the device's own block
         elif (
             eqn is not None
+            and one is not None
             and primitive_name(eqn) in SUMS
-            and set(axis_names(eqn.params.get("axes", ()))) == names
+            and set(one[1]) <= set(axis_names(eqn.params.get("axes", ())))
             and eqn.params.get("axis_index_groups") is None
             and a not in env
         ):  # a sum over the replicas of which each keeps a slice: a reduce-scatter
             operand = read(eqn.invars[eqn.outvars.index(a)])
-            value = lax.psum_scatter(operand, axis, scatter_dimension=d, tiled=True)
+            value = scatter_sum(operand, layout, axis_names(eqn.params["axes"]))
         elif index is not None and index in eqn_dims:
             run_sliced(index)
             value = senv[key]
         else:
-            value = local_slice(read(a), axis, d, n)
+            value = local_block(read(a), layout.cut)
         senv[key] = value
         return value
 
@@ -236,10 +264,14 @@ def eval_sliced(
         shape = _shape(out)
         name = primitive_name(eqn)
         if name == "broadcast_in_dim":
-            block = (*shape[:d], shape[d] // n, *shape[d + 1 :])
-            value = varying(lax.broadcast_in_dim(read(eqn.invars[0]), block, ()))
+            block = list(shape)
+            for dim, _, blocks in d.cut:
+                block[dim] //= blocks
+            value = varying(lax.broadcast_in_dim(read(eqn.invars[0]), tuple(block), ()))
         elif name in CASTS:
             value = read_sliced(eqn.invars[0], d)
+        elif name in CONSTRAINTS:
+            value = _bind(eqn, [read_sliced(eqn.invars[0], d)])
         else:
             ops = [
                 varying(
@@ -261,8 +293,11 @@ def eval_sliced(
             producer[v] = index
         if index in eqn_dims:
             continue  # run when its slice is read
-        if _pure(eqn) and not any(v in whole for v in eqn.outvars):
-            deferred.add(index)  # needed sliced only: perhaps never whole
+        if _pure(eqn) and (
+            not any(v in whole for v in eqn.outvars)
+            or (primitive_name(eqn) in SUMS and len(eqn.outvars) > 1)
+        ):
+            deferred.add(index)  # needed sliced only (or per operand): perhaps never whole
             continue
         run(index)
     outs = []

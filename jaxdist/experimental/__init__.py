@@ -21,6 +21,7 @@ from jaxdist.experimental.preemption.handler import PreemptionCheckpointHandler,
 from jaxdist.input.options import AutoShardPolicy
 from jaxdist.strategies.central_storage import CentralStorageStrategy
 from jaxdist.strategies.fsdp import FSDPStrategy
+from jaxdist.strategies.mesh import MeshStrategy, logical_constraint
 from jaxdist.strategies.multi_worker import MultiWorkerMirroredStrategy
 from jaxdist.strategies.tpu import TPUStrategy
 from jaxdist.values.distributed import ValueContext
@@ -33,6 +34,7 @@ __all__ = [
     "CommunicationImplementation",
     "CommunicationOptions",
     "FSDPStrategy",
+    "MeshStrategy",
     "MultiWorkerMirroredStrategy",
     "ParameterServerStrategy",
     "PreemptionCheckpointHandler",
@@ -41,6 +43,7 @@ __all__ = [
     "TerminationConfig",
     "ValueContext",
     "coordinator",
+    "logical_constraint",
     "partitioners",
     "set_program_cache_size",
 ]

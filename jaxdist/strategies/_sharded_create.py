@@ -6,9 +6,9 @@ existing on one device:
 
 1. ``fn`` is traced abstractly (``nnx.eval_shape``, ``jax.eval_shape`` without
    Flax): only shapes and dtypes, no memory;
-2. every leaf's ``/``-joined path is laid out by the strategy's rules
-   (`FSDPStrategy.state_dims`: the same decision, and errors, as the train
-   step's);
+2. every leaf is laid out by the strategy's rules from its ``/``-joined path
+   and its logical axis names (`Strategy.state_specs`: the same decision, and
+   errors, as the train step's);
 3. ``fn`` runs inside ``jax.jit`` with ``out_shardings`` of those layouts, so
    XLA's partitioner computes each device's slice on that device (random
    initializers included: JAX's threefry keys give the same numbers however
@@ -24,24 +24,17 @@ or list, each of its elements is one object.
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import jax
 from jax.sharding import NamedSharding
 
-from jaxdist._run.compile import dim_spec, path_str
+from jaxdist._run.compile import path_str
+from jaxdist.strategies._state_leaves import StateLeaf, tree_leaves
 from jaxdist.strategies.base import Strategy
 
-__all__ = ["create_sharded", "key_str", "sharded_initializer"]
-
-
-def key_str(key: Any) -> str:
-    """One component of a ``/``-joined state path (a JAX key entry or a raw key)."""
-    for attr in ("name", "key", "idx"):
-        if hasattr(key, attr):
-            return str(getattr(key, attr))
-    return str(key)
+__all__ = ["create_sharded", "sharded_initializer"]
 
 
 def _nnx() -> Any:
@@ -99,23 +92,15 @@ def _split(tree: Any) -> tuple[Any, Any]:
     return _nnx().split(tree)
 
 
-def _leaves(state: Any, per_element: bool, where: str) -> tuple[list[str], list[Any]]:
-    """The ``/``-joined path and the abstract array of every leaf of ``state`` (the path
-    without the element index when ``fn`` returned a tuple of objects)."""
-    nnx = _nnx()
-    is_var = None if nnx is None else (lambda x: isinstance(x, nnx.Variable))
-    flat = jax.tree_util.tree_flatten_with_path(state, is_leaf=is_var)[0]
-    paths, leaves, bad = [], [], []
-    for path, leaf in flat:
-        keys = [key_str(k) for k in path]
-        if per_element:
-            keys = keys[1:]
-        name = "/".join(keys)
-        value = leaf.get_raw_value() if is_var is not None and is_var(leaf) else leaf
-        if not isinstance(value, jax.ShapeDtypeStruct):
-            bad.append(f"{name or '<output>'}: {type(value).__name__}")
-        paths.append(name)
-        leaves.append(value)
+def _leaves(state: Any, per_element: bool, where: str) -> list[StateLeaf]:
+    """Every leaf of ``state`` with its ``/``-joined path (without the element index
+    when ``fn`` returned a tuple of objects), abstract array and logical names."""
+    leaves = tree_leaves(state, drop=1 if per_element else 0)
+    bad = [
+        f"{leaf.path or '<output>'}: {type(leaf.value).__name__}"
+        for leaf in leaves
+        if not isinstance(leaf.value, jax.ShapeDtypeStruct)
+    ]
     if bad:
         raise TypeError(
             f"{where}: fn must return NNX objects, a jaxdist.TrainState or a pytree of "
@@ -127,20 +112,20 @@ def _leaves(state: Any, per_element: bool, where: str) -> tuple[list[str], list[
             f"{where}: fn returned no arrays ({jax.tree.structure(state)}); it must build "
             "the model, optimizer or TrainState to create sharded."
         )
-    return paths, leaves
+    return leaves
 
 
 def sharded_initializer(
     strategy: Strategy,
-    dims_of: Callable[[Sequence[tuple[str, Any]], str], Sequence[int | None]],
     fn: Callable[..., Any],
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
     where: str,
 ) -> tuple[Any, Callable[[list[Any]], Any]]:
     """The jitted initializer (no arguments; returns the state's arrays, each laid out
-    by ``dims_of``, the strategy's rules, over ``strategy.mesh``) and the function that
-    rebuilds ``fn``'s result (NNX objects, `TrainState`, ...) around those arrays."""
+    by the strategy's rules, `Strategy.state_specs`, over ``strategy.mesh``) and the
+    function that rebuilds ``fn``'s result (NNX objects, `TrainState`, ...) around
+    those arrays."""
     nnx = _nnx()
     built = nnx is not None and isinstance(fn, (nnx.Pytree, nnx.Variable))
     if not callable(fn) or built:
@@ -153,13 +138,11 @@ def sharded_initializer(
     _check_no_nodes(args, kwargs, where)
     abstract = _abstract(fn, args, kwargs, where)
     graphdef, state = _split(abstract)
-    paths, leaves = _leaves(state, isinstance(abstract, (tuple, list)), where)
-    dims = dims_of(list(zip(paths, leaves, strict=True)), where)
-    mesh, axis = strategy.mesh, strategy.axis_name
-    shardings = [
-        NamedSharding(mesh, dim_spec(axis, d, len(leaf.shape)))
-        for leaf, d in zip(leaves, dims, strict=True)
-    ]
+    leaves = _leaves(state, isinstance(abstract, (tuple, list)), where)
+    specs = strategy.state_specs(leaves, where)
+    if specs is None:
+        raise TypeError(f"{where}: {strategy!r} keeps training state replicated")
+    shardings = [NamedSharding(strategy.mesh, spec) for spec in specs]
 
     # The initializer returns the flat list of arrays: static parts of the state (an
     # optax transformation built inside fn, say) differ between calls, so the result is
@@ -183,7 +166,6 @@ def _rebuild(graphdef: Any, treedef: Any, values: list[Any]) -> Any:
 
 def create_sharded(
     strategy: Strategy,
-    dims_of: Callable[[Sequence[tuple[str, Any]], str], Sequence[int | None]],
     fn: Callable[..., Any],
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
@@ -191,5 +173,5 @@ def create_sharded(
 ) -> Any:
     """``fn(*args, **kwargs)`` computed with each leaf in slices over the devices, as
     `sharded_initializer` lays it out: never whole on one device."""
-    init, rebuild = sharded_initializer(strategy, dims_of, fn, args, kwargs, where)
+    init, rebuild = sharded_initializer(strategy, fn, args, kwargs, where)
     return rebuild(init())

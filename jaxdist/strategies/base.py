@@ -24,11 +24,12 @@ from jax.sharding import PartitionSpec as P
 from jaxdist import _cpu_gate
 from jaxdist._jax_compat import is_incompatible_devices
 from jaxdist._placement.arguments import onto_mesh, replica_values, variables_to
-from jaxdist._run.compile import describe_bad_leaf
+from jaxdist._run.compile import describe_bad_leaf, dim_spec
 from jaxdist._run.programs import LoweredStep, Program, program_for
 from jaxdist._scope import STATE, check_cross_replica, strategy_scope
 from jaxdist.collectives.cross_device_ops import CrossDeviceOps, NcclAllReduce, ReduceOp
 from jaxdist.run_options import RunOptions
+from jaxdist.strategies._state_leaves import StateLeaf
 from jaxdist.strategies.checks import (
     check_counts,
     check_mesh,
@@ -65,7 +66,7 @@ class Strategy(DatasetMethods):
     - `make_mesh`: the mesh over the replicas' devices (extra axes inside a replica);
     - `extra_key`: fields beyond devices and cross-device ops that tell two
       strategies apart (equality, hashing, program caches);
-    - `state_dims`: which dimension of each training-state leaf is sharded;
+    - `state_dims` / `state_specs`: how each training-state leaf is stored sharded;
     - `program_caller` / `dispatch_program`: the per-call path of a compiled
       program (a watchdog, a single-replica shortcut);
     - `gated`: eager multi-device work under the CPU gate;
@@ -153,12 +154,32 @@ class Strategy(DatasetMethods):
         """Fields beyond devices and cross-device ops that tell two strategies apart."""
         return ()
 
-    def state_dims(self, leaves: Sequence[tuple[str, Any]], where: str) -> list[int | None] | None:
+    def state_dims(
+        self, leaves: Sequence[tuple[str, Any]], where: str, *, whole: bool = True
+    ) -> list[int | None] | None:
         """For training state stored sharded (`FSDPStrategy`): the dimension each
         ``(path, array)`` leaf is sharded on over the replica axis (``None``:
-        replicated); ``where`` names the caller in errors. ``None``: this strategy
-        keeps training state replicated."""
+        replicated); ``where`` names the caller in errors; ``whole``: the leaves are a
+        whole state (``False``: a part, such as one `TrainState` among the step's
+        outputs, so whole-state checks are left out). ``None``: this strategy keeps
+        training state replicated."""
         return None
+
+    def state_specs(
+        self, leaves: Sequence[StateLeaf], where: str, *, whole: bool = True
+    ) -> list[P] | None:
+        """For training state stored sharded: the `PartitionSpec` on `mesh` each
+        `StateLeaf` (path, array, logical axis names) is stored with between steps
+        (``P()``: replicated); ``None``: this strategy keeps training state
+        replicated. The default reads `state_dims` (one dimension over the replica
+        axis); `MeshStrategy` lays leaves out over several mesh axes."""
+        dims = self.state_dims([(leaf.path, leaf.value) for leaf in leaves], where, whole=whole)
+        if dims is None:
+            return None
+        return [
+            dim_spec(self._axis_name, d, np.ndim(leaf.value))
+            for leaf, d in zip(leaves, dims, strict=True)
+        ]
 
     def make_mesh(self, grid: np.ndarray, axis_names: tuple[str, ...]) -> Mesh:
         """The mesh over ``grid`` (the replicas' devices, laid out along ``axis_names``).

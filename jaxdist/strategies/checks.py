@@ -4,6 +4,8 @@ nested where it cannot run."""
 
 from __future__ import annotations
 
+import numbers
+import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -127,3 +129,57 @@ def check_counts(strategy: StrategyLike, where: str, leaves: Sequence[Any]) -> N
                     "strategy that produced it, or build it for this one "
                     "(experimental_distribute_values_from_function)."
                 )
+
+
+def ordered_pairs(value: Any, arg: str, where: str, example: str) -> tuple[Any, ...]:
+    """``value`` (an argument of ordered rule pairs, the first match winning) as a tuple;
+    a string, a dict or a non-sequence is a ``TypeError`` that says so (private)."""
+    if isinstance(value, (str, bytes, dict)):
+        if isinstance(value, dict):
+            kind, example = "a dict", f"tuple({value!r:.40}.items())"
+        else:
+            kind = f"a {type(value).__name__} ({value!r:.40})"
+        raise TypeError(
+            f"{where}({arg}=...): expected a sequence of pairs, got {kind}: {arg} are "
+            f"ordered (the first match wins), so give them as a tuple of pairs, e.g. "
+            f"{arg}={example}."
+        )
+    try:
+        return tuple(value)
+    except TypeError:
+        raise TypeError(
+            f"{where}({arg}=...): expected a sequence of pairs, got {type(value).__name__}; "
+            f"e.g. {arg}={example}."
+        ) from None
+
+
+def check_min_shard_bytes(value: Any, where: str) -> int:
+    """``min_shard_bytes`` of a sharded strategy: a non-negative int (private)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
+        raise ValueError(
+            f"{where}(min_shard_bytes=...): expected a non-negative int, got {value!r}."
+        )
+    return int(value)
+
+
+def check_fraction(value: Any, where: str) -> float | None:
+    """``max_replicated_fraction`` of a sharded strategy: ``None`` or in [0, 1] (private)."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0 <= float(value) <= 1:
+        raise ValueError(
+            f"{where}(max_replicated_fraction=...): expected a fraction in [0, 1] or None, "
+            f"got {value!r}; e.g. 0.02."
+        )
+    return float(value)
+
+
+def check_regex(pattern: str, label: str, where: str) -> None:
+    """A rule's regex must compile: a ``ValueError`` naming ``label`` (``rules[2]``)."""
+    try:
+        re.compile(pattern)
+    except re.error as err:
+        arg = label.split("[")[0]
+        raise ValueError(
+            f"{where}({arg}=...): {label} has an invalid regex {pattern!r}: {err}."
+        ) from None

@@ -34,45 +34,38 @@ dimension that does not divide, too much replicated state under
 
 from __future__ import annotations
 
-import math
 import numbers
 import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import jax
 import numpy as np
+from jax.sharding import PartitionSpec as P
 
 from jaxdist.devices import resolve_devices
+from jaxdist.strategies._job import job_devices
 from jaxdist.strategies._sharded_create import create_sharded
+from jaxdist.strategies._state_leaves import as_leaves, leaf_bytes, replicated_problem
 from jaxdist.strategies.base import Strategy
+from jaxdist.strategies.checks import (
+    check_fraction,
+    check_min_shard_bytes,
+    check_regex,
+    ordered_pairs,
+)
 
-__all__ = ["DEFAULT_MIN_SHARD_BYTES", "FSDPStrategy", "state_layout"]
+__all__ = ["DEFAULT_MIN_SHARD_BYTES", "FSDPStrategy", "shard_dims"]
 
 DEFAULT_MIN_SHARD_BYTES = 1 << 14  # 16 KiB: smaller leaves cost more to gather than to keep
 
 _WHERE = "FSDPStrategy"
 
 
-def _nbytes(value: Any) -> int | None:
-    """Bytes of an array-like leaf; ``None`` for a PRNG key array (never sharded)."""
-    dtype = getattr(value, "dtype", None)
-    if dtype is None:
-        value = np.asarray(value)
-        dtype = value.dtype
-    if jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
-        return None
-    return math.prod(np.shape(value)) * np.dtype(dtype).itemsize
-
-
 def _check_rules(rules: Any) -> tuple[tuple[str, int | None], ...]:
-    try:
-        items = tuple(rules)
-    except TypeError:
-        raise TypeError(
-            f"{_WHERE}(rules=...): expected a sequence of (regex, dim or None) pairs, got "
-            f"{type(rules).__name__}. Example: rules=((r'embed', 1), (r'norm', None))."
-        ) from None
+    example = (
+        f"(({rules!r:.40}, 0),)" if isinstance(rules, str) else "((r'embed', 1), (r'norm', None))"
+    )
+    items = ordered_pairs(rules, "rules", _WHERE, example)
     checked: list[tuple[str, int | None]] = []
     for i, rule in enumerate(items):
         ok = isinstance(rule, (tuple, list)) and len(rule) == 2 and isinstance(rule[0], str)
@@ -84,17 +77,12 @@ def _check_rules(rules: Any) -> tuple[tuple[str, int | None], ...]:
                 f"{_WHERE}(rules=...): rules[{i}] must be a (regex, dim or None) pair, got "
                 f"{rule!r}. Example: (r'layers/\\d+/kernel', 0)."
             )
-        try:
-            re.compile(rule[0])
-        except re.error as err:
-            raise ValueError(
-                f"{_WHERE}(rules=...): rules[{i}] has an invalid regex {rule[0]!r}: {err}."
-            ) from None
+        check_regex(rule[0], f"rules[{i}]", _WHERE)
         checked.append((rule[0], None if dim is None else int(dim)))
     return tuple(checked)
 
 
-def state_layout(
+def shard_dims(
     leaves: Sequence[tuple[str, Any]],
     num_shards: int,
     *,
@@ -102,6 +90,7 @@ def state_layout(
     min_shard_bytes: int = DEFAULT_MIN_SHARD_BYTES,
     max_replicated_fraction: float | None = None,
     where: str = _WHERE,
+    whole: bool = True,
 ) -> list[int | None]:
     """The dimension each state leaf is sharded on (``None``: replicated).
 
@@ -111,39 +100,41 @@ def state_layout(
         num_shards: the number of devices the state is sharded over.
         rules, min_shard_bytes, max_replicated_fraction: as `FSDPStrategy`.
         where: the caller, for error messages.
+        whole: ``leaves`` are a whole training state, so a rule whose regex matches
+            none of their paths is an error (it is misspelled, or names a model that
+            is not this one); ``False`` for a part of a state.
 
     Raises:
-        ValueError: listing every leaf that cannot be placed, and the replicated
-            fraction when it passes ``max_replicated_fraction``.
+        ValueError: listing every leaf that cannot be placed, every rule that
+            matches nothing, and the replicated fraction when it passes
+            ``max_replicated_fraction``.
     """
     compiled = [(re.compile(pattern), pattern, dim) for pattern, dim in rules]
     dims: list[int | None] = []
     problems: list[str] = []
     replicated: list[tuple[int, str, tuple[int, ...]]] = []
     total = 0
+    leaves = [(leaf[0], leaf[1]) for leaf in leaves]
+    if whole and leaves:
+        for i, (regex, pattern, dim) in enumerate(compiled):
+            if not any(regex.search(path) for path, _ in leaves):
+                examples = ", ".join(path for path, _ in leaves[:4])
+                problems.append(
+                    f"rules[{i}] ({pattern!r}, {dim}) matches no leaf of the state (its "
+                    f"paths look like {examples}, ...); fix the regex or remove the rule"
+                )
     for path, value in leaves:
         shape = tuple(np.shape(value))
-        size = _nbytes(value)
+        size = leaf_bytes(value)
         dim = _leaf_dim(path, shape, size, num_shards, compiled, min_shard_bytes, problems)
         dims.append(dim)
         if size is not None:
             total += size
             if dim is None:
                 replicated.append((size, path, shape))
-    rep_bytes = sum(s for s, _, _ in replicated)
-    if (
-        max_replicated_fraction is not None
-        and total
-        and rep_bytes > max_replicated_fraction * total
-    ):
-        largest = sorted(replicated, key=lambda r: -r[0])[:5]
-        listed = "; ".join(f"{p} {s} ({b:,} bytes)" for b, p, s in largest)
-        problems.append(
-            f"{rep_bytes:,} of the state's {total:,} bytes ({rep_bytes / total:.1%}) stay "
-            f"replicated, more than max_replicated_fraction={max_replicated_fraction}. The "
-            f"largest replicated leaves: {listed}. Shard them with a rule (regex, dim), lower "
-            "min_shard_bytes, or raise max_replicated_fraction"
-        )
+    guard = replicated_problem(replicated, total, max_replicated_fraction)
+    if guard is not None:
+        problems.append(guard)
     if problems:
         raise ValueError(
             f"{where}: cannot shard the training state over {num_shards} devices "
@@ -198,7 +189,9 @@ class FSDPStrategy(Strategy):
     """Data parallelism with the training state sharded over the replicas (ZeRO-3 storage).
 
     Args:
-        devices: the devices (as `MirroredStrategy`); ``None``: every local device.
+        devices: the devices; ``None``: every device of the job (in a job of several
+            processes, every device of every process, connecting them first as
+            `MultiWorkerMirroredStrategy` does).
         min_shard_bytes: leaves smaller than this are replicated (gathering them
             costs more than storing them).
         rules: ``(regex, dim or None)`` pairs matched with ``re.search`` against
@@ -239,8 +232,9 @@ class FSDPStrategy(Strategy):
         >>> s = jd.experimental.FSDPStrategy(rules=((r"norm", None),))
         >>> s.num_replicas_in_sync == jax.local_device_count()
         True
-        >>> s.state_layout([("layers/0/kernel", jax.numpy.zeros((64, 256)))])
-        [0]
+        >>> s.state_layout([("layers/0/kernel", jax.numpy.zeros((64, 256))),
+        ...                 ("norm/scale", jax.numpy.zeros((8192,)))])
+        {'layers/0/kernel': PartitionSpec('replica',), 'norm/scale': PartitionSpec()}
     """
 
     __slots__ = ("_max_replicated_fraction", "_min_shard_bytes", "_rules")
@@ -255,32 +249,15 @@ class FSDPStrategy(Strategy):
         rules: Sequence[tuple[str, int | None]] = (),
         max_replicated_fraction: float | None = None,
     ) -> None:
-        if (
-            isinstance(min_shard_bytes, bool)
-            or not isinstance(min_shard_bytes, numbers.Integral)
-            or min_shard_bytes < 0
-        ):
-            raise ValueError(
-                f"{_WHERE}(min_shard_bytes=...): expected a non-negative int, got "
-                f"{min_shard_bytes!r}."
-            )
-        if max_replicated_fraction is not None and (
-            isinstance(max_replicated_fraction, bool)
-            or not isinstance(max_replicated_fraction, numbers.Real)
-            or not 0 <= max_replicated_fraction <= 1
-        ):
-            raise ValueError(
-                f"{_WHERE}(max_replicated_fraction=...): expected a fraction in [0, 1] or "
-                f"None, got {max_replicated_fraction!r}; e.g. 0.02."
-            )
-        object.__setattr__(self, "_min_shard_bytes", int(min_shard_bytes))
+        object.__setattr__(self, "_min_shard_bytes", check_min_shard_bytes(min_shard_bytes, _WHERE))
         object.__setattr__(self, "_rules", _check_rules(rules))
         object.__setattr__(
-            self,
-            "_max_replicated_fraction",
-            None if max_replicated_fraction is None else float(max_replicated_fraction),
+            self, "_max_replicated_fraction", check_fraction(max_replicated_fraction, _WHERE)
         )
-        super().__init__(resolve_devices(devices, where=f"{_WHERE}(devices=...)"))
+        if devices is None:
+            super().__init__(job_devices())
+        else:
+            super().__init__(resolve_devices(devices, where=f"{_WHERE}(devices=...)"))
 
     def extra_key(self) -> tuple[Any, ...]:
         return (self._min_shard_bytes, self._rules, self._max_replicated_fraction)
@@ -307,11 +284,18 @@ class FSDPStrategy(Strategy):
         """The opt-in bound on the replicated fraction of the state's bytes."""
         return self._max_replicated_fraction
 
-    def state_layout(self, leaves: Sequence[tuple[str, Any]]) -> list[int | None]:
-        """The dimension each ``(path, array)`` state leaf is sharded on (``None``:
-        replicated), by this strategy's rules; raises ``ValueError`` listing every
-        leaf that cannot be placed."""
-        return self.state_dims(leaves, self._name("state_layout"))
+    def state_layout(self, state: Any) -> dict[str, P]:
+        """``{path: PartitionSpec}`` of every leaf of a training state, by this strategy's
+        rules, without training (``P()``: replicated).
+
+        ``state``: an NNX object (a Module, an ``nnx.Optimizer``), a tuple of them, a
+        `jaxdist.TrainState`, a pytree of arrays, or a list of ``(path, array)``
+        pairs. Raises ``ValueError`` listing every leaf that cannot be placed and every
+        rule that matches no leaf."""
+        leaves = as_leaves(state)
+        specs = self.state_specs(leaves, self._name("state_layout"))
+        assert specs is not None
+        return {leaf.path: spec for leaf, spec in zip(leaves, specs, strict=True)}
 
     def experimental_create(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """Calls ``fn(*args, **kwargs)`` to build the training state directly in slices:
@@ -346,16 +330,17 @@ class FSDPStrategy(Strategy):
             >>> kernel.addressable_shards[0].data.shape == (64 // s.num_replicas_in_sync, 512)
             True
         """
-        return create_sharded(
-            self, self.state_dims, fn, args, kwargs, self._name("experimental_create")
-        )
+        return create_sharded(self, fn, args, kwargs, self._name("experimental_create"))
 
-    def state_dims(self, leaves: Sequence[tuple[str, Any]], where: str) -> list[int | None]:
-        return state_layout(
+    def state_dims(
+        self, leaves: Sequence[tuple[str, Any]], where: str, *, whole: bool = True
+    ) -> list[int | None]:
+        return shard_dims(
             leaves,
             self.num_replicas_in_sync,
             rules=self._rules,
             min_shard_bytes=self._min_shard_bytes,
             max_replicated_fraction=self._max_replicated_fraction,
             where=where,
+            whole=whole,
         )

@@ -23,6 +23,7 @@ from _helpers import REPO
 NOTEBOOKS = REPO / "notebooks"
 # Every notebook in notebooks/ is checked and executed; these must be among them.
 EXPECTED = (
+    "mesh_parallel",
     "migrating_from_tf_distribute",
     "model_parallel",
     "observing_training",
@@ -94,6 +95,12 @@ USES = {
     ),
     "scaling": ("jd.accumulate_gradients(", "jd.compute_average_loss("),
     "observing_training": ("jd.fit(", "jd.training.MetricsLogger(", "jd.training.Profile("),
+    "mesh_parallel": (
+        "jd.experimental.MeshStrategy(",
+        "jd.train_step(",
+        "strategy.scope()",
+        "experimental_distribute_dataset(",
+    ),
     "model_parallel": (
         "jd.experimental.FSDPStrategy(",
         "jd.MirroredStrategy(",

@@ -23,7 +23,7 @@ import pytest
 from flax import nnx
 
 import jaxdist as jd
-from jaxdist.strategies.fsdp import state_layout
+from jaxdist.strategies.fsdp import shard_dims
 
 from _helpers import TanhMLP, per_device_bytes, regression_data, total_bytes
 
@@ -335,13 +335,13 @@ def test_rules_first_match_wins_and_none_replicates() -> None:
         ("step", _leaf(dtype=jnp.int32)),
     ]
     rules = ((r"embed", -1), (r"norm", None), (r"layers/\d+/kernel", 1), (r".*", 0))
-    dims = state_layout(leaves, N, rules=rules, min_shard_bytes=4096)
+    dims = shard_dims(leaves, N, rules=rules, min_shard_bytes=4096)
     assert dims == [1, 1, 1, None, None, None]
     # No rules: the first divisible dimension of each large leaf.
-    assert state_layout(leaves, N, min_shard_bytes=4096) == [0, 0, 0, 0, None, None]
+    assert shard_dims(leaves, N, min_shard_bytes=4096) == [0, 0, 0, 0, None, None]
     # The strategy reads its own rules; a rule naming a small leaf leaves it replicated.
     s = jd.experimental.FSDPStrategy(rules=((r"bias", 0),), min_shard_bytes=4096)
-    assert s.state_layout(leaves[4:5]) == [None]
+    assert s.state_layout(leaves[4:5]) == {"layers/0/bias": jax.sharding.PartitionSpec()}
     assert s.rules == ((r"bias", 0),)
 
 
@@ -386,7 +386,7 @@ def test_a_large_leaf_no_rule_can_shard_is_an_error_naming_every_one() -> None:
 def test_rule_errors_are_collected() -> None:
     leaves = [("w", _leaf(64, 12)), ("v", _leaf(64, 64))]
     with pytest.raises(ValueError, match=r"rule \('w', 1\) shards dimension 1 of size 12") as e:
-        state_layout(leaves, N, rules=(("w", 1), ("v", 2)), min_shard_bytes=0)
+        shard_dims(leaves, N, rules=(("w", 1), ("v", 2)), min_shard_bytes=0)
     assert "rule ('v', 2) names dimension 2, but the leaf has rank 2" in str(e.value)
 
 
@@ -394,18 +394,16 @@ def test_max_replicated_fraction_lists_the_five_largest_replicated_leaves() -> N
     leaves = [(f"norm{i}/scale", _leaf(1024 * (i + 1))) for i in range(7)]
     leaves.append(("layers/0/kernel", _leaf(1024, 1024)))
     rules = ((r"norm", None),)
-    state_layout(leaves, N, rules=rules, max_replicated_fraction=0.2)  # ~2.6%: fine
+    shard_dims(leaves, N, rules=rules, max_replicated_fraction=0.2)  # ~2.6%: fine
     with pytest.raises(ValueError, match=r"more than max_replicated_fraction=0\.01") as e:
-        state_layout(leaves, N, rules=rules, max_replicated_fraction=0.01)
+        shard_dims(leaves, N, rules=rules, max_replicated_fraction=0.01)
     message = str(e.value)
     for i in (6, 5, 4, 3, 2):
         assert f"norm{i}/scale ({1024 * (i + 1)},)" in message
     assert "norm1/scale" not in message and "norm0/scale" not in message
     # One error: the guard and a leaf without a divisible dimension together.
     with pytest.raises(ValueError, match=r"odd of shape \(9, 1001\)[\s\S]*max_replicated") as e:
-        state_layout(
-            [*leaves, ("odd", _leaf(9, 1001))], N, rules=rules, max_replicated_fraction=0.01
-        )
+        shard_dims([*leaves, ("odd", _leaf(9, 1001))], N, rules=rules, max_replicated_fraction=0.01)
 
 
 def test_the_guard_fires_in_a_step() -> None:
@@ -424,7 +422,7 @@ def test_the_guard_fires_in_a_step() -> None:
         ({"max_replicated_fraction": 2.0}, r"expected a fraction in \[0, 1\]"),
         ({"rules": [("ok", 0), ("bad",)]}, r"rules\[1\] must be a \(regex, dim or None\) pair"),
         ({"rules": [("(", 0)]}, r"rules\[0\] has an invalid regex"),
-        ({"rules": 3}, r"expected a sequence of \(regex, dim or None\) pairs"),
+        ({"rules": 3}, r"rules=\.\.\.\): expected a sequence of pairs, got int"),
     ],
 )
 def test_constructor_checks_its_arguments(kwargs: dict, match: str) -> None:
@@ -442,3 +440,73 @@ def test_strategy_is_a_value() -> None:
     # run keeps MirroredStrategy's semantics.
     out = a.run(lambda ctx, v: ctx.all_reduce("sum", v), args=(jnp.ones(3),))
     np.testing.assert_allclose(np.asarray(out), np.full(3, float(N)))
+
+
+# Issue 29: the default devices, rules that match nothing, state_layout's mapping ---------
+
+
+def test_the_default_is_every_device_of_the_job_connected_first(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A process of a 2 x 4 job sees 4 local devices and 8 in all: the strategy spans 8
+    (before: 4, each process training its own copy) and connects the job first."""
+    from jaxdist.strategies import _job
+
+    everything = jax.devices()
+    monkeypatch.setattr(jax, "local_devices", lambda *a, **k: everything[:4])
+    connected: list[object] = []
+    resolver = object()
+    monkeypatch.setattr(_job, "resolve_default", lambda: resolver)
+    monkeypatch.setattr(_job, "initialize", connected.append)
+    s = jd.experimental.FSDPStrategy()
+    assert s.replica_devices == tuple(everything)
+    assert s.num_replicas_in_sync == N
+    assert connected == [resolver]
+    # Explicit devices are still taken as given.
+    assert jd.experimental.FSDPStrategy(devices=everything[:2]).num_replicas_in_sync == 2
+
+
+def test_state_layout_maps_each_path_to_its_partition_spec() -> None:
+    s = jd.experimental.FSDPStrategy(min_shard_bytes=1024, rules=((r"l1/", None),))
+    model = MLP(nnx.Rngs(0))
+    opt = nnx.Optimizer(model, optax.adamw(1e-3), wrt=nnx.Param)
+    spec = jax.sharding.PartitionSpec
+    layout = s.state_layout((model, opt))
+    assert layout["l2/kernel"] == spec("replica")
+    assert layout["opt_state/0/mu/l2/kernel"] == spec("replica")
+    assert layout["l1/kernel"] == spec()  # the rule replicates it
+    assert layout["step"] == spec()
+    assert len(layout) == len(jax.tree.leaves(nnx.state((model, opt))))
+    # The layout the step keeps is the one announced.
+    x, y = (a[:1] for a in _mlp_data())
+    _, model, opt, _ = _train_nnx(s, MLP, (x, y), _mse)
+    for path, value in [("l2/kernel", model.l2.kernel), ("l1/kernel", model.l1.kernel)]:
+        assert value.get_value().sharding.spec == layout[path]
+
+
+def test_a_rule_that_matches_no_leaf_is_an_error_naming_it() -> None:
+    s = jd.experimental.FSDPStrategy(
+        min_shard_bytes=1024, rules=((r"l2/kernal", 1), (r"l1/", None), (r"^norm", None))
+    )
+    model = MLP(nnx.Rngs(0))
+    with pytest.raises(ValueError, match=r"rules\[0\] \('l2/kernal', 1\) matches no leaf") as e:
+        s.state_layout(model)
+    assert "rules[2] ('^norm', None) matches no leaf" in str(e.value)
+    assert "rules[1]" not in str(e.value)
+    with pytest.raises(ValueError, match=r"rules\[0\] \('l2/kernal', 1\) matches no leaf"):
+        s.experimental_create(lambda: MLP(nnx.Rngs(0)))
+    # A rule that matches only small (replicated) leaves is in use.
+    s = jd.experimental.FSDPStrategy(min_shard_bytes=1024, rules=((r"bias", None),))
+    assert s.state_layout(model)["l1/bias"] == jax.sharding.PartitionSpec()
+
+
+@pytest.mark.parametrize(
+    ("rules", "match"),
+    [
+        ("kernel", r"got a str \('kernel'\): rules are ordered .* rules=\(\('kernel', 0\),\)"),
+        ({"kernel": 0}, r"got a dict: rules are ordered .*=tuple\(\{'kernel': 0\}\.items\(\)\)"),
+    ],
+)
+def test_rules_given_as_a_string_or_dict_are_refused_saying_so(rules: object, match: str) -> None:
+    with pytest.raises(TypeError, match=match):
+        jd.experimental.FSDPStrategy(rules=rules)  # type: ignore[arg-type]

@@ -185,9 +185,7 @@ def test_each_device_holds_an_eighth_and_the_initializer_needs_no_more() -> None
     state = nnx.state((model, opt))
     total = total_bytes(state)
     assert per_device_bytes(state) <= 1.05 * total / N
-    init, _ = sharded_initializer(
-        strategy, strategy.state_dims, _make, (), {}, "FSDPStrategy.experimental_create"
-    )
+    init, _ = sharded_initializer(strategy, _make, (), {}, "FSDPStrategy.experimental_create")
     memory = init.lower().compile().memory_analysis()
     assert memory.output_size_in_bytes <= 1.05 * total / N, (memory, total)
     assert memory.temp_size_in_bytes <= 1.1 * total / N + (1 << 20), (memory, total)
@@ -334,3 +332,24 @@ def test_the_replicated_fraction_guard_applies() -> None:
     )
     with pytest.raises(ValueError, match=r"max_replicated_fraction=0.02.*kernel"):
         strategy.experimental_create(lambda: nnx.Linear(64, 256, rngs=nnx.Rngs(0)))
+
+
+def test_an_anchored_rule_applies_inside_each_returned_object() -> None:
+    """Paths start inside each object ``fn`` returns, so ``^kernel`` names the model's
+    kernel (dimension 1) and not the optimizer's ``opt_state/0/mu/kernel`` (its first
+    divisible dimension, 0). A path with the element index (``0/kernel``) or the
+    rules not applied would shard the kernel on dimension 0, or fail."""
+    spec = jax.sharding.PartitionSpec
+    strategy = jd.experimental.FSDPStrategy(min_shard_bytes=1024, rules=((r"^kernel", 1),))
+
+    def make() -> tuple[nnx.Linear, nnx.Optimizer]:
+        model = nnx.Linear(64, 512, rngs=nnx.Rngs(0))
+        return model, nnx.Optimizer(model, optax.adamw(1e-3), wrt=nnx.Param)
+
+    model, opt = strategy.experimental_create(make)
+    assert model.kernel.get_value().sharding.spec == spec(None, "replica")
+    assert opt.opt_state[0].mu["kernel"].get_value().sharding.spec == spec("replica")
+    assert strategy.state_layout((model, opt))["kernel"] == spec(None, "replica")
+    # A lone module: its paths start inside it too.
+    alone = strategy.experimental_create(lambda: nnx.Linear(64, 512, rngs=nnx.Rngs(0)))
+    assert alone.kernel.get_value().sharding.spec == spec(None, "replica")

@@ -71,7 +71,7 @@ class StepProgram:
     grouped: bool = False
     stack: bool = False
     donate_states: bool = False
-    dims: StateDims | None = None  # state stored sharded (FSDPStrategy)
+    dims: StateDims | None = None  # state stored sharded (FSDPStrategy, MeshStrategy)
     guard: StateGuard | None = None
     update_state: bool = True
     # Set while tracing: an output holds an NNX argument object (an `ObjectRef`).
@@ -168,9 +168,9 @@ class StepProgram:
         result = []
         for i, value in enumerate(values):
             what = f"NNX variable {cache.paths[i]}"  # type: ignore[union-attr]
-            dim = None if dims is None else dims[0][i]
-            if dim is not None:  # stored sharded (FSDPStrategy): this device's slice
-                result.append(Synced(value, what, dim))
+            layout = None if dims is None else dims[0][i]
+            if layout is not None:  # stored sharded (FSDPStrategy, MeshStrategy): a block
+                result.append(Synced(value, what, layout))
             elif guard is not None:
                 # Parameters and optimizer state plain, so per-replica ones raise
                 # (`StateGuard.check`); other state `Synced` (averaged when it differs).

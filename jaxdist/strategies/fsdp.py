@@ -232,9 +232,11 @@ class FSDPStrategy(Strategy):
         >>> s = jd.experimental.FSDPStrategy(rules=((r"norm", None),))
         >>> s.num_replicas_in_sync == jax.local_device_count()
         True
+        >>> from jax.sharding import PartitionSpec as P
         >>> s.state_layout([("layers/0/kernel", jax.numpy.zeros((64, 256))),
-        ...                 ("norm/scale", jax.numpy.zeros((8192,)))])
-        {'layers/0/kernel': PartitionSpec('replica',), 'norm/scale': PartitionSpec()}
+        ...                 ("norm/scale", jax.numpy.zeros((8192,)))]) == {
+        ...     "layers/0/kernel": P("replica"), "norm/scale": P()}
+        True
     """
 
     __slots__ = ("_max_replicated_fraction", "_min_shard_bytes", "_rules")

@@ -171,8 +171,10 @@ class MeshStrategy(Strategy):
         >>> s.num_replicas_in_sync, dict(s.mesh.shape)
         (4, {'data': 2, 'fsdp': 2, 'tensor': 2})
         >>> import jax.numpy as jnp
-        >>> s.state_layout([("w", jnp.zeros((64, 256)), ("embed", "mlp"))])
-        {'w': PartitionSpec('fsdp', 'tensor')}
+        >>> from jax.sharding import PartitionSpec as P
+        >>> s.state_layout([("w", jnp.zeros((64, 256)), ("embed", "mlp"))]) == {
+        ...     "w": P("fsdp", "tensor")}
+        True
     """
 
     __slots__ = ("_batch_axes", "_dcn", "_grid", "_layout", "_shape")

@@ -276,7 +276,7 @@ def take_snapshot(
             positions[name] = held[name] if name in held else _iterator_state(where, name, item)
         else:
             trees[name] = _plain(where, _items.tree_of(item, kinds[name]))
-    arrays = {"save_counter": np.int64(checkpoint._save_counter), "items": trees}
+    arrays = {"save_counter": np.int64(checkpoint.save_counter), "items": trees}
     host = _arrays.host_copy(arrays) if frozen else _arrays.to_saveable(arrays)
     if not allow_nonfinite:
         refuse_nonfinite(where, host["items"])

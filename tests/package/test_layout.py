@@ -13,7 +13,7 @@ from layout_audit import PACKAGE, ROOT, all_reach_through, repeated_blocks, top_
 # Places that reach into a private member of another object or module, another instance
 # of the same class included (173 before the layout work, by the same rule); lower
 # it when a seam is made public, never raise it.
-REACH_THROUGH_CEILING = 12
+REACH_THROUGH_CEILING = 11
 # Runs of six or more identical code lines repeated inside tests/ (12 before the layout
 # work); shared helpers in tests/_helpers.py keep it down.
 REPEATED_TEST_BLOCKS_CEILING = 1

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import itertools
 import json
 import math
@@ -17,6 +18,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import jax
@@ -96,6 +98,16 @@ def strategy_params(*names: str) -> list[Any]:
     """``pytest.param``s of functions that make the named strategies (made per test, so
     that each test gets a fresh one), for ``@pytest.mark.parametrize("make", ...)``."""
     return [pytest.param(_MAKERS[name], id=name) for name in names]
+
+
+def load_script(path: Path, name: str) -> ModuleType:
+    """The Python file ``path`` (a script the tests also run in other processes) imported
+    as module ``name``, for the functions it shares with the test."""
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def free_port() -> int:

@@ -55,8 +55,8 @@ def varying_variable_error(meta: Any, where: str) -> ValueError:
 
 def _aggregate(ctx: ReplicaContextLike, var: Variable, x: Any, where: str) -> Any:
     agg = var.aggregation
-    if ctx.single_replica:  # one replica: every aggregation keeps its update
-        return x
+    if ctx.single_replica or ctx.num_replicas_in_sync == 1:
+        return x  # one replica: nothing can diverge, every aggregation keeps its update
     varying = varies(x, ctx.axis_name)
     if agg is Agg.SUM:
         return lax.psum(x, ctx.axis_name)

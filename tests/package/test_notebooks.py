@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib
 import json
 import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -200,3 +201,68 @@ def test_notebook_runs(name: str, tmp_path: Path) -> None:
     )
     errors = [o for c in code_cells for o in c.outputs if o.output_type == "error"]
     assert not errors, f"notebooks/{name}.ipynb: error outputs {errors}"
+
+
+# The distribution that installs each third-party module a notebook (or a jaxdist module it
+# imports, e.g. jaxdist.examples.digits -> sklearn) imports.
+DISTRIBUTIONS = {
+    "IPython": "ipykernel",  # the kernel's own dependency
+    "flax": "flax",
+    "jax": "jax",
+    "matplotlib": "matplotlib",
+    "numpy": "numpy",
+    "optax": "optax",
+    "orbax": "orbax-checkpoint",
+    "sklearn": "scikit-learn",
+    "tensorboardX": "tensorboardX",
+    "tqdm": "tqdm",
+}
+
+
+def _imported_modules(source: str) -> set[str]:
+    """Every module an ``import`` statement anywhere in ``source`` names (inside functions
+    too: ``load_digits`` imports sklearn when called)."""
+    import ast
+
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            names.add(node.module)
+            names.update(f"{node.module}.{alias.name}" for alias in node.names)
+    return names
+
+
+def _third_party_imports(name: str) -> set[str]:
+    """The top-level third-party modules notebook ``name`` needs, following its imports of
+    jaxdist's example modules (whose functions import what they use)."""
+    cells = [c for c in _load(name)["cells"] if c["cell_type"] == "code"]
+    lines = ["".join(c["source"]).splitlines() for c in cells]
+    code = "\n".join(ln for cell in lines for ln in cell if not ln.lstrip().startswith(("%", "!")))
+    needed = _imported_modules(code)
+    for module in sorted(m for m in needed if m.startswith("jaxdist.examples.")):
+        source = REPO / (module.replace(".", "/") + ".py")
+        if source.is_file():
+            needed |= _imported_modules(source.read_text(encoding="utf-8"))
+    tops = {m.split(".")[0] for m in needed}
+    return {t for t in tops if t != "jaxdist" and t not in sys.stdlib_module_names}
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_the_docs_extra_installs_what_the_notebook_imports(name: str) -> None:
+    """`make docs` executes the notebooks in a virtual environment with only the ``docs``
+    extra (and jax, numpy): each module they import must be installed by it."""
+    import tomllib
+
+    project = tomllib.loads((REPO / "pyproject.toml").read_text(encoding="utf-8"))["project"]
+    requirements = [*project["dependencies"], *project["optional-dependencies"]["docs"]]
+    installed = {re.split(r"[<>=!~\[; ]", r, maxsplit=1)[0].lower() for r in requirements}
+    modules = _third_party_imports(name)
+    unknown = sorted(m for m in modules if m not in DISTRIBUTIONS)
+    assert not unknown, f"notebooks/{name}.ipynb imports {unknown}: add them to DISTRIBUTIONS"
+    missing = sorted(DISTRIBUTIONS[m] for m in modules if DISTRIBUTIONS[m].lower() not in installed)
+    assert not missing, (
+        f"notebooks/{name}.ipynb imports modules of {missing}, which pyproject.toml's docs "
+        "extra does not install: `make docs` would fail executing it; add them to the extra"
+    )

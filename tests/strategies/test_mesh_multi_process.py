@@ -1,100 +1,98 @@
-"""`MeshStrategy` across processes: 2 processes x 4 devices with ``dcn_mesh_shape``.
+"""`MeshStrategy` across processes: 2 processes x 4 devices through ``python -m
+jaxdist.launch``, with ``dcn_mesh_shape``, preempted once and restarted.
 
-``mesh_shape={"data": 1, "fsdp": 2, "tensor": 2}, dcn_mesh_shape={"data": 2}``:
-each process's 4 devices are one (fsdp, tensor) block, and ``data`` is the axis
-that crosses processes. Three adamw steps of the GPT-2-style decoder equal the
-one-process run of the same (2, 2, 2) mesh on 8 devices (losses and every leaf's
-sum and sum of squares, rtol 1e-5), which the other mesh tests hold to one device.
+``mesh_shape={"data": 1, "fsdp": 2, "tensor": 2}, dcn_mesh_shape={"data": 2}``: each
+process's 4 devices are one (fsdp, tensor) block, and ``data`` is the axis that crosses
+processes (checked from the mesh's device assignment). The job (tests/mp_scripts/
+mesh_training.py) trains the GPT-2-style decoder 8 adamw steps under a
+`PreemptionCheckpointHandler`; process 1 sends itself SIGTERM after step 2, both
+processes save the same step and exit 42, the launcher restarts the job, and the handler
+resumes it. Every step's loss (before and after the restart) and every leaf's sum and sum
+of squares at the end equal the one-process run of the same (2, 2, 2) mesh on 8 devices
+(rtol 1e-5), which the other mesh tests hold to one device.
 """
 
 from __future__ import annotations
 
-import inspect
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
 
 import jax
 import numpy as np
-import optax
 import pytest
 from flax import nnx
 
-import jaxdist as jd
-from jaxdist.examples.gpt import Decoder, mesh_strategy
+from jaxdist.examples.gpt import mesh_strategy
 
-from _helpers import run_workers, worker_script
+from _helpers import REPO, finish, load_script
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
-STEPS, BATCH = 3, 16
-
-BODY = """
-import numpy as np, optax
-from flax import nnx
-from jax.experimental import multihost_utils
-import jaxdist as jd
-from jaxdist.examples.gpt import RULES, Decoder
-
-strategy = jd.experimental.MeshStrategy(
-    {"data": 1, "fsdp": 2, "tensor": 2}, RULES, dcn_mesh_shape={"data": 2}
-)
-owners = [sorted({d.process_index for d in block.flat}) for block in strategy.mesh.devices]
-with strategy.scope():
-    model = Decoder(nnx.Rngs(0), layers=1)
-    opt = nnx.Optimizer(model, optax.adamw(3e-3, eps=1e-5), wrt=nnx.Param)
-losses = train(strategy, model, opt)
-leaves = [np.asarray(multihost_utils.process_allgather(x, tiled=True), np.float64)
-          for x in jax.tree.leaves(nnx.state(model))]
-print(json.dumps({
-    "owners": owners, "losses": losses, "replicas": strategy.num_replicas_in_sync,
-    "sums": [float(x.sum()) for x in leaves], "squares": [float((x * x).sum()) for x in leaves],
-}))
-"""
+SCRIPT = REPO / "tests" / "mp_scripts" / "mesh_training.py"
+PREEMPT_AFTER = 2  # of the script's 8 steps (the agreement takes a few steps)
 
 
-def train(strategy: jd.Strategy, model: Decoder, opt: nnx.Optimizer) -> list[float]:
-    """Three adamw steps on fixed tokens; the losses (also run in each worker)."""
-
-    @jd.train_step(strategy)
-    def step(ctx, model, opt, x, y):  # type: ignore[no-untyped-def]
-        def loss(m):  # type: ignore[no-untyped-def]
-            xent = optax.softmax_cross_entropy_with_integer_labels(m(x), y).mean(-1)
-            return jd.compute_average_loss(xent, global_batch_size=BATCH)
-
-        value, grads = nnx.value_and_grad(loss)(model)
-        opt.update(model, ctx.all_reduce("sum", grads))
-        return ctx.all_reduce("sum", value)
-
-    n = strategy.num_replicas_in_sync
-    tokens = np.random.default_rng(0).integers(0, 64, size=(STEPS, BATCH, 9)).astype(np.int32)
-    losses = []
-    for batch in tokens:
-        x, y = batch[:, :-1].reshape(n, -1, 8), batch[:, 1:].reshape(n, -1, 8)
-        xs, ys = strategy.experimental_distribute_values_from_function(
-            lambda ctx, x=x, y=y: (x[ctx.replica_id_in_sync_group], y[ctx.replica_id_in_sync_group])
-        )
-        losses.append(float(step(model, opt, xs, ys)))
-    return losses
+mesh_training = load_script(SCRIPT, "mesh_training")  # its make_state and train
+STEPS = mesh_training.STEPS
 
 
-def _worker_code() -> str:
-    source = inspect.getsource(train)
-    header = "import optax\nimport jaxdist as jd\nfrom flax import nnx\nimport numpy as np\n"
-    header += "from jaxdist.examples.gpt import Decoder\nSTEPS, BATCH = 3, 16\n"
-    return worker_script(header + source + BODY)
+def _launch(ckpt: Path) -> subprocess.Popen:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_", "XLA_"))}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    return subprocess.Popen(
+        [
+            sys.executable, "-m", "jaxdist.launch", "--nprocs", "2", "--devices-per-proc", "4",
+            "--max-restarts", "1", str(SCRIPT), str(ckpt), "--preempt-after", str(PREEMPT_AFTER),
+        ],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=REPO,
+    )  # fmt: skip
 
 
-def test_two_processes_with_a_dcn_data_axis_train_equal_to_one_process() -> None:
-    two = run_workers(_worker_code(), processes=2, timeout=500)
-    strategy = mesh_strategy((2, 2, 2))
-    with strategy.scope():
-        model = Decoder(nnx.Rngs(0), layers=1)
-        opt = nnx.Optimizer(model, optax.adamw(3e-3, eps=1e-5), wrt=nnx.Param)
-    losses = train(strategy, model, opt)
-    leaves = [np.asarray(x, np.float64) for x in jax.tree.leaves(nnx.state(model))]
-    for r in two:
-        assert r["owners"] == [[0], [1]]  # data index d lives on process d: data crosses
-        assert r["replicas"] == 4
-        np.testing.assert_allclose(r["losses"], losses, rtol=1e-5, atol=1e-6)
-        np.testing.assert_allclose(r["sums"], [x.sum() for x in leaves], rtol=1e-5, atol=1e-5)
+def test_two_launched_processes_with_a_dcn_data_axis_train_equal_to_one_process(
+    tmp_path: Path,
+) -> None:
+    job = _launch(tmp_path / "ckpt")
+    try:
+        strategy = mesh_strategy((2, 2, 2))
+        model, optimizer = mesh_training.make_state(strategy)
+        losses = mesh_training.train(strategy, model, optimizer)
+        leaves = [np.asarray(x, np.float64) for x in jax.tree.leaves(nnx.state(model))]
+        out, _ = finish(job, timeout=500)
+    finally:
+        if job.poll() is None:
+            job.kill()
+    assert job.returncode == 0, out[-4000:]
+    assert "exited with code 42 (first failure: preempted)" in out, out[-4000:]
+
+    for p in (0, 1):
+        lines = [ln[len(f"[{p}] ") :] for ln in out.splitlines() if ln.startswith(f"[{p}] ")]
+        # START <restart> <owners> <total_run_calls>, from the first attempt and the restart
+        starts = [ln.split(" ", 2)[2].rsplit(" ", 1) for ln in lines if ln.startswith("START ")]
+        assert len(starts) == 2, out[-4000:]
+        for owners, _ in starts:
+            assert json.loads(owners) == [[0], [1]]  # data index d lives on process d
+        assert starts[0][1] == "0"
+        resumed_at = int(starts[1][1])
+        assert PREEMPT_AFTER < resumed_at < STEPS, starts  # saved soon after the notice
+        saved = re.search(rf"\(process {p}\): saved \S*ckpt-\d+ after run\(\) call (\d+)", out)
+        assert saved and int(saved[1]) == resumed_at, out[-4000:]
+        # Every step each attempt ran (the first attempt's last steps again after the
+        # restart) has the reference's loss.
+        seen: dict[int, list[float]] = {}
+        for ln in lines:
+            if ln.startswith("LOSS "):
+                _, step, value = ln.split()
+                seen.setdefault(int(step), []).append(float(value))
+        assert sorted(seen) == list(range(1, STEPS + 1)), out[-4000:]
+        for step, values in seen.items():
+            np.testing.assert_allclose(values, losses[step], rtol=1e-5, atol=1e-6)
+        result = json.loads(lines[-1])
+        assert result["replicas"] == 4
+        np.testing.assert_allclose(result["sums"], [x.sum() for x in leaves], rtol=1e-5, atol=1e-5)
         np.testing.assert_allclose(
-            r["squares"], [(x * x).sum() for x in leaves], rtol=1e-5, atol=1e-6
+            result["squares"], [(x * x).sum() for x in leaves], rtol=1e-5, atol=1e-6
         )

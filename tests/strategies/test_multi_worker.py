@@ -12,7 +12,6 @@ which ``TF_CONFIG`` tasks may make the strategy.
 from __future__ import annotations
 
 import importlib
-import importlib.util
 import json
 import math
 import os
@@ -33,7 +32,7 @@ from flax import nnx
 import jaxdist as jd
 from jaxdist.strategies import multi_worker
 
-from _helpers import REPO, free_port
+from _helpers import REPO, free_port, load_script
 
 SCRIPTS = REPO / "tests" / "mp_scripts"
 WORKLOAD = SCRIPTS / "workload.py"
@@ -42,15 +41,7 @@ WEIGHTS = ("w1", "b1", "w2", "b2")
 HEARTBEAT = 10  # seconds: JAXDIST_HEARTBEAT_TIMEOUT of these jobs
 
 
-def _load_workload() -> Any:
-    spec = importlib.util.spec_from_file_location("mp_workload", WORKLOAD)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-wl = _load_workload()
+wl = load_script(WORKLOAD, "mp_workload")
 
 
 def _env(devices: int, process: int | None, processes: int, port: int) -> dict[str, str]:

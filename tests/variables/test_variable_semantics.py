@@ -496,3 +496,22 @@ def test_variable_of_another_strategy_is_refused(mirrored8: jd.MirroredStrategy)
         v = jd.Variable(jnp.zeros(2), aggregation="mean")
     with pytest.raises(ValueError, match=r"args\[0\] is variable None, created in the scope of"):
         mirrored8.run(lambda ctx, v: ctx.assign_add(v, 1.0), args=(v,))
+
+
+@pytest.mark.parametrize("agg", ["NONE", "SUM", "MEAN", "ONLY_FIRST_REPLICA"])
+@pytest.mark.parametrize("kind", list(ON_READ_EXPECTED))
+@pytest.mark.parametrize(
+    "make", [jd.OneDeviceStrategy, lambda: jd.MirroredStrategy(jax.devices()[:1])],
+    ids=["one_device", "mirrored1"],
+)  # fmt: skip
+def test_one_replica_keeps_an_update_that_depends_on_its_data(make, agg: str, kind: str) -> None:
+    """With one replica nothing can diverge: every aggregation (NONE too, as TF's
+    OneDeviceStrategy updates a plain variable) applies the update made from the
+    function's argument, as NumPy does."""
+    strategy = make()
+    with strategy.scope():
+        v = jd.Variable(jnp.full(2, 10.0), aggregation=agg)
+    x = np.array([1.5, -2.0], np.float32)
+    out = strategy.run(lambda ctx, v, x: getattr(ctx, kind)(v, x), args=(v, x))
+    expected = {"assign": x, "assign_add": 10 + x, "assign_sub": 10 - x}[kind]
+    np.testing.assert_array_equal(np.asarray(out.read_value()), expected)

@@ -9,13 +9,18 @@ closures (integers).
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import copy
+import dataclasses
 import itertools
+import json
 import logging
 import os
 import pickle
+import random
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -59,26 +64,126 @@ def _resolver(workers: int, ps: int) -> jd.cluster_resolver.SimpleClusterResolve
     )
 
 
+# Ray's ports, pinned. Ray picks most of its ports at random among the free ones (Linux's
+# ephemeral range, 32768-60999, where the other tests' job coordinators get theirs from
+# `free_port`) and a few at fixed defaults (the dashboard agent's 52365, the autoscaler
+# monitor's 44217), so a Ray runtime beside another test's job, or beside another Ray on the
+# machine, can lose a race for a port and fail. The module's runtime and the Server test's
+# node take every port from a block of consecutive ports below the ephemeral range and
+# above Ray's default worker ports (10002-19999), each block checked free when chosen.
+PORT_RANGE = (20000, 32768)
+WORKER_PORTS = 48  # the actors of the module's strategies, the driver, idle workers
+FIRST_WORKER_PORT = 16  # the servers' ports come before it in a block
+
+
+@dataclasses.dataclass(frozen=True)
+class Ports:
+    """A block of ``count`` consecutive ports from ``base``."""
+
+    base: int
+    count: int
+
+    def __contains__(self, port: object) -> bool:
+        return isinstance(port, int) and self.base <= port < self.base + self.count
+
+    @property
+    def workers(self) -> tuple[int, int]:
+        """The first and last port of the workers' range."""
+        return self.base + FIRST_WORKER_PORT, self.base + self.count - 1
+
+
+def _free_block(count: int) -> Ports:
+    """``count`` consecutive ports in `PORT_RANGE`, every one free now on every interface."""
+    rng = random.Random()
+    for _ in range(200):
+        base = rng.randrange(PORT_RANGE[0], PORT_RANGE[1] - count)
+        sockets: list[socket.socket] = []
+        try:
+            for port in range(base, base + count):
+                sockets.append(socket.socket())
+                sockets[-1].bind(("", port))
+        except OSError:
+            continue
+        finally:
+            for sock in sockets:
+                sock.close()
+        return Ports(base, count)
+    raise RuntimeError(f"no {count} consecutive free ports in {PORT_RANGE}")
+
+
+@contextlib.contextmanager
+def _pinned_head(ports: Ports) -> Iterator[dict[str, int]]:
+    """For the length of the block, a `ray.init` that starts a head node takes its ports
+    from ``ports``; yields the ones ``ray.init`` takes as arguments. `ray.init` passes the
+    node's RayParams no port of the servers and agents, so this fills them in (checked by
+    `test_ray_listens_only_on_its_pinned_ports`); the autoscaler monitor reads its port
+    from the environment it starts with."""
+    from ray._private import parameter
+
+    servers = (
+        "gcs_server_port", "node_manager_port", "object_manager_port", "metrics_agent_port",
+        "dashboard_agent_listen_port", "runtime_env_agent_port",
+    )  # fmt: skip
+    pinned = {name: ports.base + i for i, name in enumerate(servers)}
+    pinned["min_worker_port"], pinned["max_worker_port"] = ports.workers
+    original = parameter.RayParams
+
+    class PinnedRayParams(original):  # type: ignore[misc, valid-type]
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **{**kwargs, **pinned})
+
+    monitor = os.environ.get("AUTOSCALER_METRIC_PORT")
+    os.environ["AUTOSCALER_METRIC_PORT"] = str(ports.base + 8)
+    parameter.RayParams = PinnedRayParams
+    try:
+        yield {"dashboard_port": ports.base + 6, "_metrics_export_port": ports.base + 7}
+    finally:
+        parameter.RayParams = original
+        if monitor is None:
+            del os.environ["AUTOSCALER_METRIC_PORT"]
+        else:
+            os.environ["AUTOSCALER_METRIC_PORT"] = monitor
+
+
+def _listening(root: Any) -> list[tuple[str, int]]:
+    """(process name, port) of every listening TCP socket of ``root`` (a psutil.Process)
+    and its descendants."""
+    import psutil
+
+    found = []
+    for proc in [root, *root.children(recursive=True)]:
+        with contextlib.suppress(psutil.Error):  # a process that ended meanwhile
+            name = proc.name()
+            for conn in proc.net_connections(kind="tcp"):
+                if conn.status == psutil.CONN_LISTEN:
+                    found.append((name, conn.laddr.port))
+    return found
+
+
 @pytest.fixture(scope="module")
-def ray_runtime() -> Iterator[None]:
-    """The module's Ray runtime, its files in a private temporary directory (removed at the
-    end); afterwards Ray's default directory must not name it (a record left there makes a
-    user's later ``ray.init(num_cpus=...)`` try to join the stopped cluster)."""
+def ray_runtime() -> Iterator[Ports | None]:
+    """The module's Ray runtime on pinned ports (None when Ray was running already), its
+    files in a private temporary directory (removed at the end); afterwards Ray's default
+    directory must not name it (a record left there makes a user's later
+    ``ray.init(num_cpus=...)`` try to join the stopped cluster)."""
     started = not ray.is_initialized()
     temp_dir = tempfile.mkdtemp(prefix="jdray")  # short: Ray's socket paths must fit
-    head = None
+    head = ports = None
     try:
         if started:
-            ray.init(
-                address="local",
-                include_dashboard=False,
-                num_cpus=2,
-                _node_ip_address="127.0.0.1",
-                _temp_dir=temp_dir,
-                configure_logging=False,
-            )
+            ports = _free_block(FIRST_WORKER_PORT + WORKER_PORTS)
+            with _pinned_head(ports) as init_ports:
+                ray.init(
+                    address="local",
+                    include_dashboard=False,
+                    num_cpus=2,
+                    _node_ip_address="127.0.0.1",
+                    _temp_dir=temp_dir,
+                    configure_logging=False,
+                    **init_ports,
+                )
             head = ray.get_runtime_context().gcs_address
-        yield
+        yield ports
     finally:
         if started:  # the test module's own runtime
             ray.shutdown()
@@ -96,7 +201,7 @@ def _recorded_cluster() -> str | None:
 
 
 @pytest.fixture(scope="module")
-def strategy(ray_runtime: None) -> Iterator[Any]:
+def strategy(ray_runtime: Ports | None) -> Iterator[Any]:
     s = jd.experimental.ParameterServerStrategy(_resolver(3, 2))
     yield s
     s._shutdown()
@@ -200,6 +305,19 @@ def test_strategy_and_variables(strategy: Any) -> None:
     assert back["a"] is a and back["t"] is t
     np.testing.assert_array_equal(np.asarray(a), np.arange(6.0).reshape(3, 2) + 1)
     np.testing.assert_array_equal(np.asarray(t), np.arange(20).reshape(10, 2))
+
+
+def test_ray_listens_only_on_its_pinned_ports(ray_runtime: Ports | None, strategy: Any) -> None:
+    """Every port the module's runtime listens on (its servers and agents, the workers of the
+    strategy's actors, this driver) is in the block the fixture pinned."""
+    import psutil
+
+    assert ray_runtime is not None, "Ray was running before this module: its ports are not ours"
+    listening = _listening(psutil.Process())
+    assert {"gcs_server", "raylet"} <= {name for name, _ in listening}, listening
+    assert len(listening) >= 2 + len(strategy.extended.worker_actors), listening
+    outside = [(name, port) for name, port in listening if port not in ray_runtime]
+    assert not outside, f"listening outside {ray_runtime}: {outside}"
 
 
 def test_coordinator_is_one_per_strategy(strategy: Any) -> None:
@@ -574,16 +692,17 @@ def test_dead_parameter_server_surfaces(strategy: Any) -> None:
         s._shutdown()
 
 
-def test_server_joins_this_machine_as_a_task(ray_runtime: None, tmp_path: Any) -> None:
+def test_server_joins_this_machine_as_a_task(ray_runtime: Ports | None, tmp_path: Any) -> None:
     """TF's two-machine set-up on localhost: a second process runs jd.Server for worker 0;
     the strategy places that task's actor on the node the Server started."""
     head = ray.get_runtime_context().gcs_address
     code = (
-        "import signal, sys\n"
+        "import json, signal, sys\n"
         "from jaxdist.experimental.parameter_server.server import Server\n"
         "signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # join() then cleans up\n"
         "spec = {'chief': [sys.argv[1]], 'worker': ['w0'], 'ps': ['p0']}\n"
-        "server = Server(spec, job_name='worker', task_index=0, config={'num-cpus': 0})\n"
+        "config = {'num-cpus': 0, **json.loads(sys.argv[2])}\n"
+        "server = Server(spec, job_name='worker', task_index=0, config=config)\n"
         "print('target', server.target, flush=True)\n"
         "server.join()\n"
     )
@@ -592,8 +711,15 @@ def test_server_joins_this_machine_as_a_task(ray_runtime: None, tmp_path: Any) -
         "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
     }
     log = open(tmp_path / "server.log", "w")  # noqa: SIM115 - closed in finally
+    ports = _free_block(FIRST_WORKER_PORT + 8)  # the node's own, pinned (see PORT_RANGE)
+    options = (
+        "node-manager-port", "object-manager-port", "dashboard-agent-listen-port",
+        "dashboard-agent-grpc-port", "metrics-export-port", "runtime-env-agent-port",
+    )  # fmt: skip
+    config: dict[str, int] = {name: ports.base + i for i, name in enumerate(options)}
+    config["min-worker-port"], config["max-worker-port"] = ports.workers
     proc = subprocess.Popen(
-        [sys.executable, "-c", code, head],
+        [sys.executable, "-c", code, head, json.dumps(config)],
         env=env,
         stdout=log,
         stderr=subprocess.STDOUT,
@@ -611,6 +737,12 @@ def test_server_joins_this_machine_as_a_task(ray_runtime: None, tmp_path: Any) -
         )
         s = jd.experimental.ParameterServerStrategy(_resolver(1, 1))
         assert ray.get(s.extended.worker_actors[0].node_id.remote()) == server_node
+        import psutil
+
+        node = _listening(psutil.Process(proc.pid))
+        assert "raylet" in {name for name, _ in node}, node
+        outside = [(name, port) for name, port in node if port not in ports]
+        assert not outside, f"the Server's node listens outside {ports}: {outside}"
         with s.scope():
             v = jd.Variable(jnp.zeros(2), aggregation="sum")
         c = ClusterCoordinator(s)
@@ -645,7 +777,7 @@ def test_server_arguments() -> None:
     assert server.target == "127.0.0.1:1" and server.resource == "jaxdist_worker_1"
 
 
-def test_every_worker_gone_fails_the_queue(ray_runtime: None) -> None:
+def test_every_worker_gone_fails_the_queue(ray_runtime: Ports | None) -> None:
     """A worker killed for good (no restart) gives its closures to the others; with none
     left, queued closures fail and join says so."""
     s = jd.experimental.ParameterServerStrategy(_resolver(1, 1))
@@ -667,7 +799,7 @@ def test_every_worker_gone_fails_the_queue(ray_runtime: None) -> None:
         s._shutdown()
 
 
-def test_worker_preemption_between_functions(ray_runtime: None) -> None:
+def test_worker_preemption_between_functions(ray_runtime: Ports | None) -> None:
     """TF's WorkerPreemptionBetweenFunctions: a worker killed while idle is restarted; the
     closures scheduled after it all run, each exactly once (none ran on the dead worker)."""
     s = jd.experimental.ParameterServerStrategy(_resolver(2, 1))
@@ -690,7 +822,7 @@ def test_worker_preemption_between_functions(ray_runtime: None) -> None:
         s._shutdown()
 
 
-def test_closure_that_kills_its_worker_fails_join(ray_runtime: None, caplog: Any) -> None:
+def test_closure_that_kills_its_worker_fails_join(ray_runtime: Ports | None, caplog: Any) -> None:
     """A closure that crashes its worker every time (os._exit) is rescheduled
     MAX_WORKER_LOSSES times, then join raises WorkerLossError naming it and the workers,
     well within 60 s; each death and rescheduling is logged."""

@@ -52,6 +52,8 @@ bench: $(STAMP)
 	$(PY) benchmarks/checkpoint.py
 	$(PY) benchmarks/parameter_server.py
 	$(PY) benchmarks/fsdp.py
+	$(PY) benchmarks/mesh.py
+	$(PY) benchmarks/fit_metrics.py
 
 clean:
 	rm -rf .venv .venv313 .venv-docs .pytest_cache .ruff_cache *.egg-info docs/_build

@@ -12,7 +12,6 @@ devices (the environment variables below are inherited by the kernels).
 
 from __future__ import annotations
 
-import importlib
 import os
 import re
 import sys
@@ -21,6 +20,8 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # this checkout's jaxdist, not an installed one
+sys.path.insert(0, str(ROOT / "docs"))  # _names, shared with the API-reference test
+from _names import MISSING, lookup  # noqa: E402
 
 # Before anything imports JAX: the API reference and the notebooks see 8 CPU devices.
 os.environ["JAX_PLATFORMS"] = "cpu"
@@ -92,28 +93,7 @@ html_static_path: list[str] = []
 
 
 # --- Hooks ------------------------------------------------------------------------------
-_MISSING = object()
 _TYPE_LIKE = re.compile(r"^[~\w.]+(\[.*\])?( \| [~\w.\[\], ]+)*$")
-
-
-def _lookup(dotted: str) -> Any:
-    """The object a dotted ``jaxdist....`` name denotes, or ``_MISSING``: attributes first
-    (``jaxdist.training.fit`` is the function, not the package of that name), then
-    submodules not yet imported."""
-    first, *rest = dotted.split(".")
-    try:
-        obj: Any = importlib.import_module(first)
-    except ImportError:
-        return _MISSING
-    for i, part in enumerate(rest):
-        found = getattr(obj, part, _MISSING)
-        if found is _MISSING:  # a module not imported yet, or one a function's name hides
-            try:
-                found = importlib.import_module(".".join([first, *rest[: i + 1]]))
-            except ImportError:
-                return _MISSING
-        obj = found
-    return obj
 
 
 def _documented(env: Any) -> dict[int, str]:
@@ -121,8 +101,8 @@ def _documented(env: Any) -> dict[int, str]:
     names: dict[int, str] = {}
     for name, entry in env.get_domain("py").objects.items():
         if not entry.aliased:
-            obj = _lookup(name)
-            if obj is not _MISSING:
+            obj = lookup(name)
+            if obj is not MISSING:
                 names.setdefault(id(obj), name)
     return names
 
@@ -137,8 +117,8 @@ def _resolve_by_object(app: Any, env: Any, node: Any, contnode: Any) -> Any:
     target = node.get("reftarget", "")
     if node.get("refdomain") != "py" or not target.startswith("jaxdist."):
         return None
-    obj = _lookup(target)
-    if obj is _MISSING:
+    obj = lookup(target)
+    if obj is MISSING:
         return None
     public = _documented(env).get(id(obj))
     if public is None:

@@ -6,38 +6,17 @@ resolves; this test is the cheap half that runs with the test suite."""
 
 from __future__ import annotations
 
-import importlib
 import re
 import types
-from typing import Any
 
 import jaxdist as jd
 
-from _helpers import REPO
+from _helpers import REPO, load_script
 
 API = REPO / "docs" / "api"
+_names = load_script(REPO / "docs" / "_names.py", "docs_names")  # conf.py's lookup too
+_lookup, _MISSING = _names.lookup, _names.MISSING
 _DIRECTIVE = re.compile(r"^\.\. (auto\w+|currentmodule):: ([\w.]+)", re.M)
-_MISSING = object()
-
-
-def _lookup(dotted: str) -> Any:
-    """The object a dotted ``jaxdist....`` name denotes, or ``_MISSING``: attributes first
-    (``jaxdist.training.fit`` is the function, not the package of that name), then
-    submodules not yet imported."""
-    first, *rest = dotted.split(".")
-    try:
-        obj: Any = importlib.import_module(first)
-    except ImportError:
-        return _MISSING
-    for i, part in enumerate(rest):
-        found = getattr(obj, part, _MISSING)
-        if found is _MISSING:  # a module not imported yet, or one a function's name hides
-            try:
-                found = importlib.import_module(".".join([first, *rest[: i + 1]]))
-            except ImportError:
-                return _MISSING
-        obj = found
-    return obj
 
 
 def _documented() -> tuple[set[str], set[str]]:

@@ -25,6 +25,15 @@ program:
 - any other value is computed whole and sliced with ``dynamic_slice`` at the
   replica's index.
 
+A slice of a sum of a transpose (autodiff's gradient of a kernel used as
+``x @ w`` is one) is the transposed block of the sum of the transpose's
+operand: the reduce-scatter reads the matmul's result, and only a block is
+transposed. Measured on a 4-layer decoder at (data, fsdp, tensor) = (1, 8, 1),
+with `jaxdist._run.stored.scatter_sum` scattering leading dimensions: 0.93 of
+the hand-written step's throughput without this, 0.94-1.03 with it (0.79
+with neither). A whole sum of a transpose is left as written: taken before the
+transpose it measured about 15% slower under pure data parallelism.
+
 The values computed are those of slicing the whole results (element-wise
 operations commute with slicing; a reduce-scatter adds the same terms as the
 all-reduce, possibly in another order), so the step's results do not change
@@ -43,7 +52,7 @@ import jax
 from jax import lax
 
 from jaxdist._jax_compat import axis_names, is_literal, primitive_name
-from jaxdist._run.stored import Stored, local_block, scatter_sum, to_varying
+from jaxdist._run.stored import Stored, local_block, scatter_sum, to_varying, transposed
 
 __all__ = ["eval_sliced"]
 
@@ -239,8 +248,7 @@ def eval_sliced(
             and eqn.params.get("axis_index_groups") is None
             and a not in env
         ):  # a sum over the replicas of which each keeps a slice: a reduce-scatter
-            operand = read(eqn.invars[eqn.outvars.index(a)])
-            value = scatter_sum(operand, layout, axis_names(eqn.params["axes"]))
+            value = reduce_scattered(eqn.invars[eqn.outvars.index(a)], layout, eqn)
         elif index is not None and index in eqn_dims:
             run_sliced(index)
             value = senv[key]
@@ -248,6 +256,18 @@ def eval_sliced(
             value = local_block(read(a), layout.cut)
         senv[key] = value
         return value
+
+    def reduce_scattered(operand: Any, layout: Stored, eqn: Any) -> Any:
+        """This device's block of the sum ``eqn`` of ``operand``; when ``operand`` is
+        ``lax.transpose(y, permutation)``, the transposed block of the sum of ``y``."""
+        axes = axis_names(eqn.params["axes"])
+        index = None if is_literal(operand) else producer.get(operand)
+        source = None if index is None else jaxpr.eqns[index]
+        if source is None or primitive_name(source) != "transpose":
+            return scatter_sum(read(operand), layout, axes)
+        permutation = tuple(source.params["permutation"])
+        block = scatter_sum(read(source.invars[0]), transposed(layout, permutation), axes)
+        return lax.transpose(block, permutation)
 
     def run(index: int) -> None:
         eqn = jaxpr.eqns[index]

@@ -30,6 +30,7 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from jax import lax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
@@ -46,6 +47,7 @@ __all__ = [
     "scatter_sum",
     "stored",
     "to_varying",
+    "transposed",
 ]
 
 # (dimension, replica axes it is split over, in order, number of blocks) per split dimension.
@@ -99,6 +101,27 @@ def stored(spec: P, mesh: Mesh, replica_axes: str | tuple[str, ...]) -> Stored |
     return Stored(spec, P(*manual), tuple(cut), P(*auto) if has_auto else None, separate)
 
 
+def transposed(layout: Stored, permutation: tuple[int, ...]) -> Stored:
+    """The layout of ``y`` when ``lax.transpose(y, permutation)`` has ``layout``: the
+    block of the transpose is the transpose of ``y``'s block (dimension ``k`` of the
+    transpose is dimension ``permutation[k]`` of ``y``)."""
+
+    def moved(spec: P) -> P:
+        entries = list(spec) + [None] * (len(permutation) - len(spec))
+        out: list[Any] = [None] * len(permutation)
+        for k, entry in enumerate(entries):
+            out[permutation[k]] = entry
+        return P(*out)
+
+    return Stored(
+        moved(layout.spec),
+        moved(layout.manual),
+        tuple((permutation[d], axes, blocks) for d, axes, blocks in layout.cut),
+        None if layout.auto is None else moved(layout.auto),
+        layout.separate,
+    )
+
+
 def to_varying(x: Any, axis: str | tuple[str, ...]) -> Any:
     """``x`` typed as varying over every replica axis (a cast, the same values)."""
     missing = tuple(a for a in axis_names(axis) if a not in varying_axes(x))
@@ -136,11 +159,19 @@ def gather(x: Any, layout: Stored) -> Any:
 def scatter_sum(x: Any, layout: Stored, axes: tuple[str, ...]) -> Any:
     """This device's block (the layout's one cut) of the sum of ``x`` over the replica
     ``axes`` (which include the cut's): a reduce-scatter over the cut's axes, then a sum
-    over the others."""
+    over the others.
+
+    A cut dimension other than the first is moved first for the reduce-scatter and
+    back after it: XLA's CPU backend scatters a non-leading dimension several times
+    slower than a leading one (measured on 8 devices: 16.7 ms against 3.4 ms, copy
+    included, for a 1024 x 256 gradient cut along its second dimension)."""
     ((d, split, _),) = layout.cut
 
     def reduce(x: Any) -> Any:
-        return lax.psum_scatter(x, split, scatter_dimension=d, tiled=True)
+        if d == 0:
+            return lax.psum_scatter(x, split, scatter_dimension=0, tiled=True)
+        moved = lax.psum_scatter(jnp.moveaxis(x, d, 0), split, scatter_dimension=0, tiled=True)
+        return jnp.moveaxis(moved, 0, d)
 
     x = on_blocks(reduce, x, layout)
     rest = tuple(a for a in axes if a not in split)

@@ -111,7 +111,8 @@ class Output:
     def _emit(self, p: _Pipe, data: bytes) -> None:
         if data:
             lines = data.removesuffix(b"\n").split(b"\n")
-            if not self.gloo and b"peer ranks" in data:
+            if not self.gloo and (b"[Gloo] Rank " in data or b"peer ranks" in data):
+                # A piece alone may start another line ("[Gloo] Rank " flushed before it).
                 lines = [
                     kept
                     for line in lines

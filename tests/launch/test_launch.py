@@ -572,6 +572,29 @@ def test_gloo_lines_written_in_pieces_by_several_threads_are_left_out() -> None:
     assert err.getvalue() == "[1] START 1\n[1] \n[1] R 64.0\n"  # the program's empty line stays
 
 
+def test_a_gloo_piece_that_starts_a_line_of_the_program_is_left_out() -> None:
+    # Seen in CI: a thread's "[Gloo] Rank " flushed before the program's line, the rest of
+    # its Gloo line in a later read. The program's line must keep its start.
+    out, err = io.StringIO(), io.StringIO()
+    output = Output(out, err)
+    read, write = os.pipe()
+    output.add(os.fdopen(read, "rb"), out, b"[1] ")
+    pieces = [b"[Gloo] Rank ", b"START 0 4242 0\n", _GLOO[len(b"[Gloo] Rank ") :], b"STEP 1\n"]
+
+    def writer() -> None:
+        with os.fdopen(write, "wb", buffering=0) as f:
+            for piece in pieces:
+                f.write(piece)
+                time.sleep(0.02)  # separate reads
+
+    thread = threading.Thread(target=writer)
+    thread.start()
+    output.drain(timeout=10)
+    thread.join()
+    assert out.getvalue() == "[1] START 0 4242 0\n[1] STEP 1\n"
+    assert err.getvalue() == ""
+
+
 def test_the_launcher_takes_show_gloo() -> None:
     assert launch_module._parse(["--show-gloo", str(CHILD)], "launch").show_gloo
     assert not launch_module._parse([str(CHILD)], "launch").show_gloo

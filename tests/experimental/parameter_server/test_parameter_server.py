@@ -785,7 +785,11 @@ def test_every_worker_gone_fails_the_queue(ray_runtime: Ports | None) -> None:
         c = ClusterCoordinator(s)
         noop = jax.jit(lambda x: x + 1)
         assert float(c.schedule(noop, args=(np.float32(1.0),)).fetch()) == 2.0
-        ray.kill(s.extended.worker_actors[0], no_restart=True)
+        victim = s.extended.worker_actors[0]
+        ray.kill(victim, no_restart=True)
+        # ray.kill returns before the actor is gone: a closure scheduled at once could still
+        # run there and succeed (seen in CI), so wait for the death.
+        _wait_for(lambda: _ping(victim) is None, "the worker's death")
         pending: list[Any] = []
         with pytest.raises(RuntimeError, match=r"every worker task \(/job:worker\) is gone"):
             for _ in range(3):  # schedule raises it once the first closure found no worker

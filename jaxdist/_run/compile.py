@@ -35,7 +35,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from jaxdist._jax_compat import axis_names, eval_jaxpr, varies, varying_axes
+from jaxdist._jax_compat import axis_names, varies, varying_axes
 from jaxdist._protocols import StrategyLike
 from jaxdist._run.invariance import analyze, assume_invariant
 from jaxdist._run.sliced_eval import eval_sliced
@@ -414,10 +414,7 @@ def replicated(
             for i, (kind, info) in enumerate(zip(kinds, infos, strict=True))
             if kind[0] == _OUT_SHARDED and not info.varying and kind[1][1].cut
         }
-        if sliced:
-            outs = eval_sliced(closed.jaxpr, closed.consts, local, sliced, axis)
-        else:
-            outs = eval_jaxpr(closed.jaxpr, closed.consts, *local)
+        outs = eval_sliced(closed.jaxpr, closed.consts, local, sliced, axis)
         return [
             _finish(strategy, x, info, kind, inputs, trace, plain or n == 1, i in sliced)
             for i, (x, info, kind) in enumerate(zip(outs, infos, kinds, strict=True))

@@ -1,4 +1,4 @@
-"""Evaluating a replica function's jaxpr when some outputs are wanted as one slice.
+"""Evaluating a replica function's jaxpr (every step's), some outputs wanted as one slice.
 
 Sharded training state (`jaxdist.experimental.FSDPStrategy`, `MeshStrategy`)
 leaves a step as each device's block of an output that is the same on every
@@ -25,14 +25,26 @@ program:
 - any other value is computed whole and sliced with ``dynamic_slice`` at the
   replica's index.
 
-A slice of a sum of a transpose (autodiff's gradient of a kernel used as
-``x @ w`` is one) is the transposed block of the sum of the transpose's
-operand: the reduce-scatter reads the matmul's result, and only a block is
-transposed. Measured on a 4-layer decoder at (data, fsdp, tensor) = (1, 8, 1),
-with `jaxdist._run.stored.scatter_sum` scattering leading dimensions: 0.93 of
-the hand-written step's throughput without this, 0.94-1.03 with it (0.79
-with neither). A whole sum of a transpose is left as written: taken before the
-transpose it measured about 15% slower under pure data parallelism.
+Sums read matmuls in the order they are stored. Autodiff's gradient of a
+kernel used as ``x @ w`` is a transpose of a matmul's result, and a collective
+of a transpose keeps the transposed memory layout, which XLA's CPU backend
+carries back into the matmul and then leaves outside its fast (XNNPACK)
+fusions: 16 to 28 bare ``dot`` ops in a 4-layer decoder's step, against the
+hand-written step's 4. So:
+
+- a sum (whole or sliced) of a transpose that only swaps a matmul's free
+  dimensions, neither read elsewhere, sums the matmul with its operands
+  swapped: the same values, one matmul, no transpose;
+- a slice of a sum of another transpose whose operand is cut along its
+  leading dimension is the transposed block of the sum of the operand: the
+  reduce-scatter reads the matmul's result, and only a block is transposed.
+
+With both, every mesh shape's step has 4 ``dot`` ops, as the hand-written
+one has. Measured on that decoder (`benchmarks/mesh.py`, 2 CPU cores),
+MeshStrategy / hand-written throughput went from 0.94-0.97 to 0.98-1.10 at
+(2, 1, 4) and from 0.93-1.01 to 1.03-1.12 at (2, 2, 2) (the swap; four runs
+with it); the slice of a transposed sum took (1, 8, 1) from 0.79 to about
+0.94 before. Run-to-run spread is about 7%, as the unchanged (1, 1, 8) shows.
 
 The values computed are those of slicing the whole results (element-wise
 operations commute with slicing; a reduce-scatter adds the same terms as the
@@ -44,12 +56,15 @@ slice of it cannot be had otherwise.
 
 from __future__ import annotations
 
+import collections
 import functools
 from collections.abc import Sequence
 from typing import Any
 
 import jax
 from jax import lax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jaxdist._jax_compat import axis_names, is_literal, primitive_name
 from jaxdist._run.stored import Stored, local_block, scatter_sum, to_varying, transposed
@@ -151,6 +166,49 @@ def _bind(eqn: Any, args: list[Any]) -> Any:
     return eqn.primitive.bind(*args, **params)
 
 
+def _swaps_free_dims(transpose: Any, dot: Any) -> bool:
+    """Whether ``transpose`` of the result of ``dot`` (a ``dot_general``) only swaps its
+    free dimensions: no batch dimensions, the right operand's in front of the left's. It
+    is then ``dot`` with its operands swapped (`_swapped_dot`)."""
+    (lc, rc), (lb, _) = dot.params["dimension_numbers"]
+    nl = len(_shape(dot.invars[0])) - len(lc)
+    nr = len(_shape(dot.invars[1])) - len(rc)
+    permutation = tuple(transpose.params["permutation"])
+    out = dot.params.get("out_sharding")
+    return (
+        not lb
+        and permutation == (*range(nl, nl + nr), *range(nl))
+        and (
+            out is None
+            or (
+                isinstance(out, NamedSharding)
+                and not getattr(out.spec, "unreduced", None)
+                and not getattr(out.spec, "reduced", None)
+            )
+        )
+    )
+
+
+def _swapped_dot(dot: Any, lhs: Any, rhs: Any) -> Any:
+    """``dot``'s result transposed as `_swaps_free_dims` says, computed as one matmul: the
+    ``dot_general`` of ``rhs`` and ``lhs`` (``dot``'s operands, swapped)."""
+    (lc, rc), _ = dot.params["dimension_numbers"]
+    precision = dot.params.get("precision")
+    out = dot.params.get("out_sharding")
+    if out is not None:  # the same layout, its entries in the swapped order
+        nl = len(_shape(dot.invars[0])) - len(lc)
+        spec = [*out.spec, *[None] * (len(_shape(dot.outvars[0])) - len(out.spec))]
+        out = NamedSharding(out.mesh, P(*spec[nl:], *spec[:nl]))
+    return lax.dot_general(
+        rhs,
+        lhs,
+        ((rc, lc), ((), ())),
+        precision=precision[::-1] if isinstance(precision, tuple) else precision,
+        preferred_element_type=dot.params.get("preferred_element_type"),
+        out_sharding=out,
+    )
+
+
 def _demand(
     jaxpr: Any, sliced_outs: dict[int, Stored]
 ) -> tuple[set[Any], dict[Any, set[Stored]], dict[int, Stored]]:
@@ -205,11 +263,15 @@ def eval_sliced(
     if any(primitive_name(e) in JITS for e in jaxpr.eqns):
         closed = jax.make_jaxpr(functools.partial(_inlined, jaxpr, consts))(*args)
         jaxpr, consts = closed.jaxpr, closed.consts
-    whole, _, eqn_dims = _demand(jaxpr, sliced_outs)
+    whole, needed_sliced, eqn_dims = _demand(jaxpr, sliced_outs)
     env: dict[Any, Any] = {}
     senv: dict[tuple[Any, Stored], Any] = {}
     producer: dict[Any, int] = {}
     deferred: set[int] = set()
+    swapped: dict[Any, Any] = {}
+    uses = collections.Counter(
+        a for e in jaxpr.eqns for a in e.invars if not is_literal(a)
+    ) + collections.Counter(a for a in jaxpr.outvars if not is_literal(a))
 
     def read(a: Any) -> Any:
         if is_literal(a):
@@ -221,7 +283,7 @@ def eval_sliced(
                 # One operand of a sum of several (a gradient tree's all-reduce): that
                 # sum alone, so the other operands may still be reduce-scattered.
                 i = eqn.outvars.index(a)
-                env[a] = _bind(eqn, [read(eqn.invars[i])])[0]
+                env[a] = _bind(eqn, [summand(eqn.invars[i])])[0]
             else:
                 run(index)
         return env[a]
@@ -257,22 +319,52 @@ def eval_sliced(
         senv[key] = value
         return value
 
+    def transposed_dot(a: Any) -> tuple[Any, Any] | None:
+        """(the ``transpose`` equation, the ``dot_general`` equation) when ``a`` is a
+        transpose of a matmul's result that only swaps its free dimensions, and neither is
+        read elsewhere (the swapped matmul then replaces the matmul, not adds to it)."""
+        index = None if is_literal(a) else producer.get(a)
+        transpose = None if index is None else jaxpr.eqns[index]
+        if transpose is None or primitive_name(transpose) != "transpose" or uses[a] != 1:
+            return None
+        index = producer.get(transpose.invars[0])
+        dot = None if index is None else jaxpr.eqns[index]
+        if dot is None or primitive_name(dot) != "dot_general" or uses[dot.outvars[0]] != 1:
+            return None
+        return (transpose, dot) if _swaps_free_dims(transpose, dot) else None
+
+    def summand(a: Any) -> Any:
+        """``a``, an operand of a sum, as the sum reads it: a transpose of a matmul's
+        result that only swaps its free dimensions is computed as the swapped matmul."""
+        found = transposed_dot(a)
+        if found is None:
+            return read(a)
+        if a not in swapped:
+            dot = found[1]
+            swapped[a] = _swapped_dot(dot, read(dot.invars[0]), read(dot.invars[1]))
+        return swapped[a]
+
     def reduce_scattered(operand: Any, layout: Stored, eqn: Any) -> Any:
-        """This device's block of the sum ``eqn`` of ``operand``; when ``operand`` is
-        ``lax.transpose(y, permutation)``, the transposed block of the sum of ``y``."""
+        """This device's block of the sum ``eqn`` of ``operand``. When ``operand`` is
+        ``lax.transpose(y, permutation)`` and ``y``'s cut is its leading dimension, the
+        transposed block of the sum of ``y``; else the block of the sum of
+        ``summand(operand)``."""
         axes = axis_names(eqn.params["axes"])
         index = None if is_literal(operand) else producer.get(operand)
         source = None if index is None else jaxpr.eqns[index]
-        if source is None or primitive_name(source) != "transpose":
-            return scatter_sum(read(operand), layout, axes)
-        permutation = tuple(source.params["permutation"])
-        block = scatter_sum(read(source.invars[0]), transposed(layout, permutation), axes)
-        return lax.transpose(block, permutation)
+        if source is not None and primitive_name(source) == "transpose":
+            permutation = tuple(source.params["permutation"])
+            inner = transposed(layout, permutation)
+            if inner.cut[0][0] == 0 or transposed_dot(operand) is None:
+                block = scatter_sum(read(source.invars[0]), inner, axes)
+                return lax.transpose(block, permutation)
+        return scatter_sum(summand(operand), layout, axes)
 
     def run(index: int) -> None:
         eqn = jaxpr.eqns[index]
         deferred.discard(index)
-        outs = _bind(eqn, list(map(read, eqn.invars)))
+        read_operand = summand if primitive_name(eqn) in SUMS else read
+        outs = _bind(eqn, list(map(read_operand, eqn.invars)))
         if not eqn.primitive.multiple_results:
             outs = [outs]
         env.update(zip(eqn.outvars, outs, strict=True))
@@ -315,7 +407,11 @@ def eval_sliced(
             continue  # run when its slice is read
         if _pure(eqn) and (
             not any(v in whole for v in eqn.outvars)
-            or (primitive_name(eqn) in SUMS and len(eqn.outvars) > 1)
+            or (
+                primitive_name(eqn) in SUMS
+                and len(eqn.outvars) > 1
+                and any(v in needed_sliced for v in eqn.outvars)
+            )
         ):
             deferred.add(index)  # needed sliced only (or per operand): perhaps never whole
             continue

@@ -11,6 +11,7 @@ rounding noise), and every leaf keeps its ruled `PartitionSpec` after each step.
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 
@@ -371,17 +372,39 @@ def test_optimizer_state_is_never_gathered(lowered_2x2x2: tuple) -> None:
 
 
 def _producers(text: str, op: str) -> list[str]:
-    """The op defining each StableHLO ``op``'s operand, function by function, looking
-    through sharding constraints (Shardy's open ones wrap every value here)."""
+    """The op defining each StableHLO ``op``'s operand, looking through sharding
+    constraints (Shardy's open ones wrap every value here) and into nested manual
+    computations (`jaxdist._run.stored.on_blocks`). The printer reuses names in sibling
+    regions, so a name means its latest definition, read line by line."""
     found = []
-    for body in re.split(r"\bfunc\.func\b", text):
-        defined = dict(re.findall(r'(%[\w#.]+) = "?([\w.]+)"?', body))
-        through = dict(re.findall(r"(%[\w#.]+) = sdy\.sharding_constraint (%[\w#.]+)", body))
-        for operand in re.findall(rf'"stablehlo\.{op}"\((%[\w#.]+)\)', body):
+    defined: dict[str, str] = {}
+    through: dict[str, str] = {}
+    for line in text.splitlines():
+        if m := re.search(r"(%[\w#.]+) = sdy\.sharding_constraint (%[\w#.]+)", line):
+            through[m[1]] = m[2]
+        elif m := re.search(
+            r"(%[\w#.]+) = sdy\.manual_computation\((%[\w#.]+)\).*?\((%arg\d+):", line
+        ):
+            through[m[3]] = m[2]
+        elif m := re.search(r'(%[\w#.]+) = "?([\w.]+)"?', line):
+            defined[m[1]] = m[2]
+            through.pop(m[1], None)
+        for operand in re.findall(rf'"stablehlo\.{op}"\((%[\w#.]+)\)', line):
             while operand in through:
                 operand = through[operand]
             found.append(defined.get(operand, "argument"))
     return found
+
+
+@functools.cache
+def _lowered_step(shape: tuple[int, int, int]) -> tuple[str, dict[str, P]]:
+    """The decoder step's StableHLO at ``shape``, and the layout of its parameters."""
+    strategy = mesh_strategy(shape)
+    with strategy.scope():
+        model, opt = _build()
+    step = _mesh_step(strategy)
+    batch = _split(strategy, _tokens(1)[0])
+    return step.lower(model, opt, *batch).as_text(), strategy.state_layout(model)
 
 
 def test_gradients_are_reduce_scattered_along_their_leading_dimension() -> None:
@@ -391,22 +414,38 @@ def test_gradients_are_reduce_scattered_along_their_leading_dimension() -> None:
     from the matmul's own result, not from autodiff's transpose of it; only the block
     is transposed. Measured together: (1, 8, 1) went from 0.79 to 0.94-1.03 of the
     hand-written step's throughput (`benchmarks/mesh.py`)."""
-    strategy = mesh_strategy((1, 8, 1))
-    with strategy.scope():
-        model, opt = _build()
-    step = _mesh_step(strategy)
-    batch = _split(strategy, _tokens(1)[0])
-    text = step.lower(model, opt, *batch).as_text()
-    layout = strategy.state_layout(model)
+    text, layout = _lowered_step((1, 8, 1))
     second = [p for p, spec in layout.items() if p.endswith("kernel") and spec[1:2] == ("fsdp",)]
     assert sorted(second) == ["blocks/0/attn/o/kernel", "blocks/0/down/kernel"]
     producers = _producers(text, "reduce_scatter")
     assert len(producers) == 10  # the leaves split over fsdp (as at (2, 2, 2))
-    assert producers.count("stablehlo.dot_general") == len(second), producers
     dimensions = re.findall(
         r'"stablehlo\.reduce_scatter"\(.*?scatter_dimension = (\d+)', text, flags=re.S
     )
     assert dimensions == ["0"] * 10
+
+
+@pytest.mark.parametrize(
+    ("shape", "op"),
+    [((1, 8, 1), "reduce_scatter"), ((1, 4, 2), "reduce_scatter"), ((2, 1, 4), "all_reduce")],
+)
+def test_gradient_sums_read_the_matmuls_not_their_transposes(
+    shape: tuple[int, int, int], op: str
+) -> None:
+    """Each kernel's gradient is summed (reduce-scattered where the kernel is split over
+    ``fsdp``, else all-reduced) straight from a matmul, never from autodiff's transpose
+    of one: a collective of a transpose left 16 to 28 of the step's matmuls outside
+    XLA's fast CPU fusions (`jaxdist._run.sliced_eval`)."""
+    text, layout = _lowered_step(shape)
+    kernels = [p for p in layout if p.endswith("kernel")]
+    assert len(kernels) == 6  # q, k, v, o, up, down
+    producers = _producers(text, op)
+    assert producers.count("stablehlo.dot_general") == len(kernels), producers
+    # The only transposes summed: the embeddings' (vocab/length, embed), moved so that
+    # the reduce-scatter splits their leading dimension (`stored.scatter_sum`).
+    moved = [p for p, spec in layout.items() if "fsdp" in spec[1:] and not p.endswith("kernel")]
+    want = len(moved) if op == "reduce_scatter" else 0
+    assert producers.count("stablehlo.transpose") == want, (moved, producers)
 
 
 def test_tensor_parallel_matmuls_are_partitioned(lowered_2x2x2: tuple) -> None:

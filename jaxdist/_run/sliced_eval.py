@@ -166,13 +166,18 @@ def _bind(eqn: Any, args: list[Any]) -> Any:
     return eqn.primitive.bind(*args, **params)
 
 
+def _free_dims(dot: Any) -> tuple[int, int]:
+    """The number of free (not contracted) dimensions of each operand of ``dot``."""
+    (lc, rc), _ = dot.params["dimension_numbers"]
+    return len(_shape(dot.invars[0])) - len(lc), len(_shape(dot.invars[1])) - len(rc)
+
+
 def _swaps_free_dims(transpose: Any, dot: Any) -> bool:
     """Whether ``transpose`` of the result of ``dot`` (a ``dot_general``) only swaps its
     free dimensions: no batch dimensions, the right operand's in front of the left's. It
     is then ``dot`` with its operands swapped (`_swapped_dot`)."""
-    (lc, rc), (lb, _) = dot.params["dimension_numbers"]
-    nl = len(_shape(dot.invars[0])) - len(lc)
-    nr = len(_shape(dot.invars[1])) - len(rc)
+    _, (lb, _) = dot.params["dimension_numbers"]
+    nl, nr = _free_dims(dot)
     permutation = tuple(transpose.params["permutation"])
     out = dot.params.get("out_sharding")
     return (
@@ -196,7 +201,7 @@ def _swapped_dot(dot: Any, lhs: Any, rhs: Any) -> Any:
     precision = dot.params.get("precision")
     out = dot.params.get("out_sharding")
     if out is not None:  # the same layout, its entries in the swapped order
-        nl = len(_shape(dot.invars[0])) - len(lc)
+        nl, _ = _free_dims(dot)
         spec = [*out.spec, *[None] * (len(_shape(dot.outvars[0])) - len(out.spec))]
         out = NamedSharding(out.mesh, P(*spec[nl:], *spec[:nl]))
     return lax.dot_general(
@@ -319,28 +324,29 @@ def eval_sliced(
         senv[key] = value
         return value
 
-    def transposed_dot(a: Any) -> tuple[Any, Any] | None:
-        """(the ``transpose`` equation, the ``dot_general`` equation) when ``a`` is a
-        transpose of a matmul's result that only swaps its free dimensions, and neither is
-        read elsewhere (the swapped matmul then replaces the matmul, not adds to it)."""
+    def made_by(a: Any, name: str) -> Any:
+        """The equation that produced ``a``, if it is a ``name`` read nowhere else."""
         index = None if is_literal(a) else producer.get(a)
-        transpose = None if index is None else jaxpr.eqns[index]
-        if transpose is None or primitive_name(transpose) != "transpose" or uses[a] != 1:
+        eqn = None if index is None else jaxpr.eqns[index]
+        if eqn is None or primitive_name(eqn) != name or uses[a] != 1:
             return None
-        index = producer.get(transpose.invars[0])
-        dot = None if index is None else jaxpr.eqns[index]
-        if dot is None or primitive_name(dot) != "dot_general" or uses[dot.outvars[0]] != 1:
-            return None
-        return (transpose, dot) if _swaps_free_dims(transpose, dot) else None
+        return eqn
+
+    def swappable_dot(transpose: Any) -> Any:
+        """The ``dot_general`` equation whose result ``transpose`` only swaps the free
+        dimensions of, when that result is read nowhere else (the swapped matmul then
+        replaces the matmul, not adds to it)."""
+        dot = made_by(transpose.invars[0], "dot_general")
+        return dot if dot is not None and _swaps_free_dims(transpose, dot) else None
 
     def summand(a: Any) -> Any:
         """``a``, an operand of a sum, as the sum reads it: a transpose of a matmul's
         result that only swaps its free dimensions is computed as the swapped matmul."""
-        found = transposed_dot(a)
-        if found is None:
+        transpose = made_by(a, "transpose")
+        dot = None if transpose is None else swappable_dot(transpose)
+        if dot is None:
             return read(a)
         if a not in swapped:
-            dot = found[1]
             swapped[a] = _swapped_dot(dot, read(dot.invars[0]), read(dot.invars[1]))
         return swapped[a]
 
@@ -355,7 +361,7 @@ def eval_sliced(
         if source is not None and primitive_name(source) == "transpose":
             permutation = tuple(source.params["permutation"])
             inner = transposed(layout, permutation)
-            if inner.cut[0][0] == 0 or transposed_dot(operand) is None:
+            if inner.cut[0][0] == 0 or uses[operand] != 1 or swappable_dot(source) is None:
                 block = scatter_sum(read(source.invars[0]), inner, axes)
                 return lax.transpose(block, permutation)
         return scatter_sum(summand(operand), layout, axes)

@@ -332,18 +332,18 @@ def eval_sliced(
             return None
         return eqn
 
-    def swappable_dot(transpose: Any) -> Any:
-        """The ``dot_general`` equation whose result ``transpose`` only swaps the free
-        dimensions of, when that result is read nowhere else (the swapped matmul then
+    def swappable_dot(a: Any) -> Any:
+        """The ``dot_general`` equation when ``a`` is a transpose of its result that only
+        swaps its free dimensions, and neither is read elsewhere (the swapped matmul then
         replaces the matmul, not adds to it)."""
-        dot = made_by(transpose.invars[0], "dot_general")
+        transpose = made_by(a, "transpose")
+        dot = None if transpose is None else made_by(transpose.invars[0], "dot_general")
         return dot if dot is not None and _swaps_free_dims(transpose, dot) else None
 
     def summand(a: Any) -> Any:
         """``a``, an operand of a sum, as the sum reads it: a transpose of a matmul's
         result that only swaps its free dimensions is computed as the swapped matmul."""
-        transpose = made_by(a, "transpose")
-        dot = None if transpose is None else swappable_dot(transpose)
+        dot = swappable_dot(a)
         if dot is None:
             return read(a)
         if a not in swapped:
@@ -361,7 +361,7 @@ def eval_sliced(
         if source is not None and primitive_name(source) == "transpose":
             permutation = tuple(source.params["permutation"])
             inner = transposed(layout, permutation)
-            if inner.cut[0][0] == 0 or uses[operand] != 1 or swappable_dot(source) is None:
+            if inner.cut[0][0] == 0 or swappable_dot(operand) is None:
                 block = scatter_sum(read(source.invars[0]), inner, axes)
                 return lax.transpose(block, permutation)
         return scatter_sum(summand(operand), layout, axes)

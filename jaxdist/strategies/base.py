@@ -336,9 +336,7 @@ class Strategy(DatasetMethods):
             )
         return tuple(args)
 
-    def dispatch_program(
-        self, program: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
-    ) -> Any:
+    def dispatch_program(self, program: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """Runs a compiled program: ``program.caller(args, kwargs)`` (see `program_caller`)."""
         return program.caller(args, kwargs)
 

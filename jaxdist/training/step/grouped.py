@@ -311,4 +311,3 @@ def _join(column: tuple[Any, ...]) -> Any:
     if isinstance(first, (jax.Array, np.ndarray, np.generic)):
         return jnp.concatenate(column, axis=0)
     return column[-1]
-

@@ -332,8 +332,7 @@ class TrainStep:
     ) -> Prepared:
         if not isinstance(strategy, Strategy):
             raise TypeError(
-                f"{self.where}: strategy must be a jaxdist.Strategy, got "
-                f"{type(strategy).__name__}."
+                f"{self.where}: strategy must be a jaxdist.Strategy, got {type(strategy).__name__}."
             )
         check_call(self.fn, self.where, args, kwargs)
         if not self._warned_host:

@@ -111,7 +111,7 @@ class ClusterSpec:
 
     def __init__(self, cluster: ClusterSpec | Mapping[str, Any]) -> None:
         if isinstance(cluster, ClusterSpec):
-            jobs = {job: dict(tasks) for job, tasks in cluster._jobs.items()}
+            jobs = _normalize(cluster.as_dict())
         elif isinstance(cluster, Mapping):
             jobs = _normalize(cluster)
         else:
@@ -199,10 +199,10 @@ class ClusterSpec:
 
     def __eq__(self, other: object) -> bool:
         if isinstance(other, ClusterSpec):
-            return self._jobs == other._jobs
+            return self.as_dict() == other.as_dict()
         if isinstance(other, Mapping):
             try:
-                return self._jobs == ClusterSpec(other)._jobs
+                return self.as_dict() == ClusterSpec(other).as_dict()
             except (TypeError, ValueError):
                 return False
         return NotImplemented

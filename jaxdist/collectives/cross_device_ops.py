@@ -369,10 +369,16 @@ class HierarchicalCopyAllReduce(_PackingOps):
     the data), then all-gather over the innermost axis. Leaves whose size does
     not divide by the innermost axis size are padded for the exchange. MAX and
     MIN, which XLA cannot reduce-scatter, are one all-reduce over every axis.
+
+    Axes of size 1 take no part: on one host (``("host", "local")`` with one
+    ``host``) it is a reduce-scatter and an all-gather over ``local``, with no
+    all-reduce between them, whose every group would be one device (no sum, yet
+    XLA's CPU backend runs it as a collective); with one device per host it is
+    the ring over ``host``.
     """
 
     def _all_reduce_leaf(self, x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
-        inner, outer = axes[-1], axes[:-1]
+        *outer, inner = [a for a in axes if lax.axis_size(a) > 1] or [axes[-1]]
         n = lax.axis_size(inner)
         flat = x.reshape(-1)
         pad = (-flat.size) % n
@@ -380,8 +386,11 @@ class HierarchicalCopyAllReduce(_PackingOps):
             flat = jnp.pad(flat, (0, pad))
         part = lax.psum_scatter(flat, inner, scatter_dimension=0, tiled=True)
         if outer:
-            part = lax.psum(part, outer)
-        whole = all_gather_invariant(part, inner).reshape(-1)
+            part = lax.psum(part, tuple(outer))
+        # Gathered over the axes of size 1 too: the same groups as over ``inner`` alone,
+        # and the result is typed invariant over every replica axis.
+        gather = tuple(a for a in axes if a == inner or lax.axis_size(a) == 1)
+        whole = all_gather_invariant(part, gather).reshape(-1)
         return whole[: x.size].reshape(x.shape)
 
 

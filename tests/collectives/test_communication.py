@@ -172,6 +172,35 @@ def test_hierarchical_reduces_inside_each_host_first() -> None:
     )
 
 
+@pytest.mark.parametrize("shape", [(1, 8), (8, 1)], ids=["one_host", "one_device_per_host"])
+def test_hierarchical_takes_no_collective_over_an_axis_of_size_one(
+    shape: tuple[int, int],
+) -> None:
+    """On one host the cross-host all-reduce is left out (its every group would be one
+    device: no sum, but XLA's CPU backend runs it); with one device per host the
+    reduce-scatter and all-gather run over ``host``. The sum is NumPy's either way,
+    the same on every device, and `Mirrored` (typed invariant over both axes)."""
+    s = jd.Strategy(
+        jax.devices(),
+        jd.HierarchicalCopyAllReduce(),
+        mesh_shape=shape,
+        axis_names=("host", "local"),
+    )
+    f = s.function(lambda ctx, x: ctx.all_reduce("sum", x))
+    x = jd.PerReplica(jnp.asarray(_rows()))
+    hlo = f.lower(x).compile().as_text()
+    every = mesh_groups(dict(zip(("host", "local"), shape, strict=True)), ("host", "local"))
+    found = collectives(hlo)
+    assert [c.opcode for c in found] == ["reduce-scatter", "all-gather"]
+    assert [frozenset(map(frozenset, c.groups)) for c in found] == [every, every]
+    out = f(x)
+    assert isinstance(out, jd.Mirrored)
+    copies = {str(d.device): np.asarray(d.data) for d in out.array.addressable_shards}
+    assert len(copies) == 8
+    for copy in copies.values():
+        np.testing.assert_allclose(copy, _rows().sum(0), rtol=RTOL)
+
+
 def test_reduction_to_one_device_gathers_instead_of_reducing() -> None:
     hlo = _compiled(jd.ReductionToOneDevice())
     assert [c.opcode for c in collectives(hlo)] == ["all-gather"]

@@ -51,6 +51,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/dispatch.py
 	$(PY) benchmarks/run_overhead.py
 	$(PY) benchmarks/train_step.py
+	$(PY) benchmarks/all_reduce.py
 	$(PY) benchmarks/input_pipeline.py
 	$(PY) benchmarks/digits.py
 	$(PY) benchmarks/multi_process.py

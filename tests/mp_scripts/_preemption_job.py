@@ -9,12 +9,13 @@ strategy (which starts ``jax.distributed``) before it builds the state.
 from __future__ import annotations
 
 import argparse
+import time
 from typing import Any
 
 
 def arguments(epochs: int, steps: int | None = None) -> argparse.Namespace:
-    """``CKPT_DIR OUT_DIR [--epochs E] [--steps S] [--sleep SECONDS]`` (``--steps`` only
-    when the script has a default for it)."""
+    """``CKPT_DIR OUT_DIR [--epochs E] [--steps S] [--sleep SECONDS] [--slow-after N,...]``
+    (``--steps`` only when the script has a default for it; ``--slow-after``: `pause`)."""
     parser = argparse.ArgumentParser()
     parser.add_argument("ckpt_dir")
     parser.add_argument("out_dir")
@@ -22,7 +23,18 @@ def arguments(epochs: int, steps: int | None = None) -> argparse.Namespace:
     if steps is not None:
         parser.add_argument("--steps", type=int, default=steps)
     parser.add_argument("--sleep", type=float, default=0.0)
+    parser.add_argument("--slow-after", default="")
     return parser.parse_args()
+
+
+def pause(args: argparse.Namespace, restart: int, steps_in_run: int) -> None:
+    """The wait after a step: ``--sleep`` seconds, and from step ``N_r`` of the job's run
+    ``r`` on (``--slow-after N_0,N_1,...``, steps counted from the run's start) 1 s more,
+    so that a test's signal sent when it reads that step's line lands while the job still
+    has steps to run, however late the line reaches the test on a loaded machine."""
+    slow = [int(n) for n in args.slow_after.split(",") if n]
+    late = restart < len(slow) and steps_in_run >= slow[restart]
+    time.sleep(args.sleep + (1.0 if late else 0.0))
 
 
 def make_state(strategy: Any) -> tuple[Any, Any, Any]:

@@ -7,6 +7,7 @@ for EPOCHS epochs of 5 steps; `fit(..., resume=True, preemption_handler=handler)
 handler made with fit's `jd.training.Checkpoint` callback.
 
 Usage: fit_preemption_training.py CKPT_DIR OUT_DIR [--epochs E] [--sleep SECONDS]
+[--slow-after N,...]
 
 Prints ``START <restart> <pid>`` before fit, ``STEP <global step>`` after every step, and at
 the end writes ``OUT_DIR/final.<process>.npz`` (every array of the state, bit for bit, and
@@ -17,9 +18,8 @@ from __future__ import annotations
 
 import json
 import os
-import time
 
-from _preemption_job import arguments, make_state, update  # beside this script
+from _preemption_job import arguments, make_state, pause, update  # beside this script
 
 
 def main() -> None:
@@ -45,14 +45,18 @@ def main() -> None:
         state, loss = update(ctx, model, optimizer, state, *batch)
         return state, ctx.all_reduce("sum", loss)
 
+    restart = os.environ.get("JAXDIST_RESTART_COUNT", "0")
+
     class Tell(jd.training.Callback):
+        first = None  # the first step of this run
+
         def on_step_end(self, step, logs):  # type: ignore[no-untyped-def]
             print(f"STEP {step}", flush=True)
-            time.sleep(args.sleep)
+            self.first = step if self.first is None else self.first
+            pause(args, int(restart), step - self.first + 1)
 
     ckpt = jd.training.Checkpoint(args.ckpt_dir, every_n_steps=4, keep=1)
     handler = jd.experimental.PreemptionCheckpointHandler(strategy.cluster_resolver, ckpt)
-    restart = os.environ.get("JAXDIST_RESTART_COUNT", "0")
     print(f"START {restart} {os.getpid()}", flush=True)
     data = strategy.distribute_datasets_from_function(dataset_fn)
     state, history = jd.fit(

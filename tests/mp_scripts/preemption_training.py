@@ -9,6 +9,7 @@ and an ``ON_READ`` SUM counter (rebound after each step), and the data
 iterator's position (each process its own).
 
 Usage: preemption_training.py CKPT_DIR OUT_DIR [--epochs E] [--steps S] [--sleep SECONDS]
+[--slow-after N,...]
 
 Prints ``START <restart> <pid> <total_run_calls>`` once the handler has
 restored, ``STEP <total_run_calls>`` after every step, and at the end writes
@@ -19,9 +20,8 @@ prints ``DONE <total_run_calls>``.
 from __future__ import annotations
 
 import os
-import time
 
-from _preemption_job import arguments, make_state, update  # beside this script
+from _preemption_job import arguments, make_state, pause, update  # beside this script
 
 
 def main() -> None:
@@ -60,7 +60,8 @@ def main() -> None:
         strategy.cluster_resolver, ckpt, args.ckpt_dir
     )
     restart = os.environ.get("JAXDIST_RESTART_COUNT", "0")
-    print(f"START {restart} {os.getpid()} {handler.total_run_calls}", flush=True)
+    resumed = handler.total_run_calls
+    print(f"START {restart} {os.getpid()} {resumed}", flush=True)
 
     def step(it):  # type: ignore[no-untyped-def]
         ckpt.state, ckpt.seen, loss = train(model, optimizer, ckpt.state, ckpt.seen, next(it))
@@ -72,7 +73,7 @@ def main() -> None:
         for _ in range(handler.total_run_calls % steps, steps):
             handler.run(step, iterator)
             print(f"STEP {handler.total_run_calls}", flush=True)
-            time.sleep(args.sleep)
+            pause(args, int(restart), handler.total_run_calls - resumed)
 
     arrays = {
         f"leaf{i}": np.asarray(leaf)

@@ -532,8 +532,11 @@ def jobs() -> Iterator[list[_Job]]:
         job.kill()
 
 
-def _preempted_twice(job: _Job, nprocs: int, rng: random.Random) -> list[dict[str, Any]]:
-    """SIGTERMs a random process at a random step, and again after the restart."""
+def _preempted_twice(
+    job: _Job, nprocs: int, rng: random.Random, after: tuple[int, int]
+) -> list[dict[str, Any]]:
+    """SIGTERMs a random process ``after[r]`` steps into run ``r``, for the first run and
+    the one after the restart (the job was started with ``--slow-after`` of them)."""
     events = []
     resumed = 0
     for restart in range(2):
@@ -542,7 +545,7 @@ def _preempted_twice(job: _Job, nprocs: int, rng: random.Random) -> list[dict[st
             _, m = job.wait_for(rf"^\[(\d)\] START {restart} (\d+) (\d+)$")
             pids[int(m[1])] = int(m[2])
             assert int(m[3]) == resumed  # every process restored the same count
-        at_step = rng.randint(resumed + 3, resumed + 40)
+        at_step = resumed + after[restart]
         victim = rng.randrange(nprocs)
         job.wait_for(rf"^\[{victim}\] STEP {at_step}$")
         os.kill(pids[victim], signal.SIGTERM)
@@ -587,9 +590,12 @@ def test_preempted_twice_resumes_to_the_bits_of_an_uninterrupted_run(
     out = reference.finish(timeout=200)
     assert reference.proc.returncode == 0, out[-3000:]
 
-    job = _Job(nprocs, tmp_path / "preempted", "--sleep", "0.02")
+    # From the signal's step on, a run's steps take 1 s: the signal lands before the end.
+    after = (rng.randint(3, 40), rng.randint(3, 40))
+    slow = ("--sleep", "0.02", "--slow-after", f"{after[0]},{after[1]}")
+    job = _Job(nprocs, tmp_path / "preempted", *slow)
     jobs.append(job)
-    events = _preempted_twice(job, nprocs, rng)
+    events = _preempted_twice(job, nprocs, rng, after)
     out = job.finish(timeout=200)
     assert job.proc.returncode == 0, f"seed {seed}: {out[-3000:]}"
     # Two preemptions under --max-restarts 1: neither was counted.

@@ -345,7 +345,9 @@ def test_two_processes_sigterm_one_the_job_resumes_exactly(tmp_path: Path) -> No
     seed = random.randrange(1 << 30)
     rng = random.Random(seed)
     at, victim = rng.randint(2, 15), rng.randrange(2)  # of 30 steps
-    procs = [_launch(tmp_path / "reference"), _launch(tmp_path / "preempted", "--sleep", "0.05")]
+    # From step `at` on, the first run's steps take 1 s: the signal lands before the end.
+    slow = ("--sleep", "0.05", "--slow-after", str(at))
+    procs = [_launch(tmp_path / "reference"), _launch(tmp_path / "preempted", *slow)]
     try:
         job = procs[1]
         assert job.stdout is not None
@@ -366,6 +368,7 @@ def test_two_processes_sigterm_one_the_job_resumes_exactly(tmp_path: Path) -> No
         for p in procs:
             if p.poll() is None:
                 p.kill()
+                p.wait()
     saved = re.findall(
         r"^\[(\d)\] .*\(process \d\): fit's Checkpoint callback saved \S*ckpt-(\d+) after "
         r"step (\d+); calling exit_fn",

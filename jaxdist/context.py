@@ -46,11 +46,12 @@ class ReplicaContext:
         mirrors: what the variables layer records while a replica function is
             traced: ``id(per-replica view) -> (view, invariant value)`` of each
             ``ON_WRITE`` variable input.
-        updates: what ``assign`` / ``assign_add`` / ``assign_sub`` did while the
-            function was traced, in order: ``(kind, variable before, variable
-            after)`` per variable (per shard of a `ShardedVariable`). A caller that
-            applies updates the function does not return (the parameter-server
-            worker) reads it after the function returned.
+        updates: what ``assign`` / ``assign_add`` / ``assign_sub`` (and
+            ``strategy.extended.update``) did while the function was traced, in
+            order: ``(kind, variable before, variable after)`` per variable (per
+            shard of a `ShardedVariable`). A caller that applies updates the
+            function does not return (the parameter-server worker) reads it after
+            the function returned.
     """
 
     strategy: StrategyLike

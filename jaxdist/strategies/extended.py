@@ -19,11 +19,12 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxdist._jax_compat import is_tracer
+from jaxdist._jax_compat import is_tracer, varies
 from jaxdist._placement.results import broadcast_to, check_pairs, destination_sharding, place
-from jaxdist._protocols import StrategyLike
+from jaxdist._protocols import ReplicaContextLike, StrategyLike
 from jaxdist._scope import check_cross_replica, current_replica_context
 from jaxdist.collectives.communication import CommunicationOptions, resolve_options
+from jaxdist.errors import ReplicaDivergenceError
 from jaxdist.strategies.checks import check_counts
 from jaxdist.values.distributed import Mirrored, PerReplica
 from jaxdist.values.reduce_op import ReduceOp
@@ -35,6 +36,7 @@ from jaxdist.variables import (
     is_distributed,
 )
 from jaxdist.variables._ops import ReadsLikeAnArray
+from jaxdist.variables._replica_updates import mirror_of
 from jaxdist.variables.meta import colocate_with
 
 __all__ = ["StrategyExtended"]
@@ -85,11 +87,13 @@ class _CopyView(ReadsLikeAnArray):
     accept it.
     """
 
-    __slots__ = ("_value", "_var")
+    __slots__ = ("_value", "_var", "assigned")
 
     def __init__(self, value: Any, var: Variable) -> None:
         self._value = value
         self._var = var
+        #: whether ``assign`` set the copy (not only ``assign_add`` / ``assign_sub``)
+        self.assigned = False
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -150,6 +154,7 @@ class _CopyView(ReadsLikeAnArray):
     def assign(self, value: Any) -> _CopyView:
         """Sets the copy to ``value``; returns the copy."""
         self._value = self._coerce(value, "assign")
+        self.assigned = True
         return self
 
     def assign_add(self, delta: Any) -> _CopyView:
@@ -218,15 +223,23 @@ def _onto(x: Any, sharding: Any) -> Any:
 
 def _updated_value(fn: Callable[..., Any], view: _CopyView, args: Any, kwargs: Any) -> Any:
     """Calls ``fn(view, ...)``; its result, or the view's value, is the copy's new value."""
+    return _applied(fn, view, args, kwargs)[0]
+
+
+def _applied(fn: Callable[..., Any], view: _CopyView, args: Any, kwargs: Any) -> tuple[Any, str]:
+    """`_updated_value`, and ``"assign_add"`` when ``fn`` only added to or subtracted from
+    ``view`` (a parameter server adds such a change), else ``"assign"``."""
     result = fn(view, *args, **kwargs)
-    if result is None or isinstance(result, _CopyView):
-        return (view if result is None else result).read_value()
+    if result is None or result is view:
+        return view.read_value(), "assign" if view.assigned else "assign_add"
+    if isinstance(result, _CopyView):
+        return result.read_value(), "assign"
     if isinstance(result, Mirrored):
-        return result.array
+        return result.array, "assign"
     if isinstance(result, (jax.Array, np.ndarray, np.generic, int, float, bool)) or is_tracer(
         result
     ):
-        return result
+        return result, "assign"
     raise TypeError(
         f"StrategyExtended.update: fn returned {type(result).__name__} ({result!r:.60}) for a "
         f"copy of {view.variable!r}. Return the new value (an array), or the copy it was given "
@@ -319,6 +332,15 @@ class StrategyExtended:
         copy for ``ON_READ`` variables (copy ``r`` sees row ``r``) and refused for
         mirrored ones, which have one logical copy.
 
+        Inside a replica function (TF's replica-context ``update``), ``fn`` runs on
+        this replica's copy with this replica's arguments, without aggregation, and
+        the new variable is returned (``group`` does not apply): return it from the
+        function as any updated variable. An ``ON_READ`` copy takes this replica's
+        arguments; a mirrored variable's new value must be the same on every
+        replica, or `ReplicaDivergenceError` says how to aggregate it (TF would let
+        the copies drift apart). Under a parameter-server strategy the update
+        reaches the parameter server as ``ctx.assign`` does.
+
         Args:
             var: a `jaxdist.Variable`.
             fn: the update function.
@@ -341,7 +363,6 @@ class StrategyExtended:
         where = "StrategyExtended.update"
         if isinstance(var, ShardedVariable):
             return self._update_sharded(var, fn, args, kwargs, group)
-        check_cross_replica(self._strategy, "extended.update")
         if not isinstance(var, Variable):
             raise TypeError(
                 f"{where}: var must be a jaxdist.Variable, got {type(var).__name__}; to compute "
@@ -351,6 +372,9 @@ class StrategyExtended:
             raise TypeError(f"{where}: fn must be callable, got {type(fn).__name__}.")
         kwargs = {} if kwargs is None else kwargs
         args = tuple(args)
+        ctx = current_replica_context()
+        if ctx is not None:
+            return self._update_in_replica(ctx, var, fn, args, kwargs)
         stored = var.stored
 
         def compute() -> Any:
@@ -402,6 +426,61 @@ class StrategyExtended:
         result = self._strategy.gated(compute)
         return result if group else self._strategy.experimental_local_results(result)
 
+    def _update_in_replica(
+        self,
+        ctx: ReplicaContextLike,
+        var: Variable,
+        fn: Callable[..., Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+    ) -> Variable:
+        """`update` inside a replica function (TF's replica-context ``update``): ``fn`` runs
+        once, on this replica's copy, with this replica's arguments, and no aggregation.
+
+        An ``ON_READ`` variable's copy is this replica's own, so each replica's arguments
+        reach its copy (as in TF). A mirrored (``ON_WRITE``) variable has one value, so its
+        new value must be the same on every replica: where TF would let the copies drift
+        apart, this raises `ReplicaDivergenceError`. Under a parameter-server strategy the
+        update reaches the parameter server as a ``ctx.assign`` would (an add when ``fn``
+        only added or subtracted)."""
+        where = "StrategyExtended.update"
+        bound = ctx.bound_to_axis
+        a, k = jax.tree.map(
+            lambda x: x.array if isinstance(x, Mirrored) else x,
+            (args, kwargs),
+            is_leaf=is_distributed,
+        )
+        current = var.stored if var.is_on_read or not bound else mirror_of(ctx, var, where)
+        value, kind = _applied(fn, _CopyView(current, var), a, k)
+        new = jnp.asarray(value)
+        if tuple(new.shape) != tuple(current.shape):
+            raise ValueError(
+                f"{where}: fn returned shape {tuple(new.shape)} for this replica's copy of "
+                f"{var!r}, whose shape is {tuple(current.shape)}. Return a value of the "
+                "variable's shape."
+            )
+        var.check_fits(new.dtype, tuple(new.shape), where)
+        if (
+            bound
+            and not var.is_on_read
+            and ctx.num_replicas_in_sync > 1
+            and not ctx.single_replica
+            and varies(new, ctx.axis_name)
+        ):
+            raise ReplicaDivergenceError(
+                f"{where}: inside a replica function, fn's new value for the mirrored "
+                f"(ON_WRITE) variable {var.name!r} differs across replicas: it reads "
+                "per-replica data. TF would let the variable's copies drift apart; a jaxdist "
+                "mirrored variable has one value. All-reduce the argument first "
+                "(ctx.all_reduce), or use ctx.assign / ctx.assign_add / ctx.assign_sub, which "
+                f"aggregate the replicas' values as the variable's aggregation "
+                f"({var.aggregation.name}) says."
+            )
+        result = var.with_stored(new.astype(var.dtype))
+        if bound:
+            ctx.updates.append((kind, var, result))
+        return result
+
     def _update_sharded(
         self,
         var: ShardedVariable,
@@ -411,8 +490,8 @@ class StrategyExtended:
         group: bool,
     ) -> Any:
         """`update` of a `ShardedVariable`: shard ``i`` runs ``fn`` with its rows of every
-        argument of the variable's full shape (others as they are). In a replica function
-        each shard's new value is set with ``ctx.assign`` (aggregated as the shard says)."""
+        argument of the variable's full shape (others as they are), in a replica function
+        as `_update_in_replica` does for one variable (no aggregation)."""
         where = "StrategyExtended.update"
         if not callable(fn):
             raise TypeError(f"{where}: fn must be callable, got {type(fn).__name__}.")
@@ -422,12 +501,10 @@ class StrategyExtended:
         shard_args = [jax.tree.unflatten(treedef, [c[i] for c in cut]) for i in range(n)]
         ctx = current_replica_context()
         if ctx is not None:
-
-            def one(shard: Variable, a: Any, k: Any) -> Any:
-                new = _updated_value(fn, _CopyView(shard.read_value(), shard), a, k)
-                return ctx.assign(shard, new)
-
-            shards = [one(v, *shard_args[i]) for i, v in enumerate(var.variables)]
+            shards = [
+                self._update_in_replica(ctx, v, fn, *shard_args[i])
+                for i, v in enumerate(var.variables)
+            ]
             return ShardedVariable(shards, name=var.name)
         shards = [self.update(v, fn, *shard_args[i]) for i, v in enumerate(var.variables)]
         result = ShardedVariable(shards, name=var.name)

@@ -449,8 +449,75 @@ def test_update_refuses_what_tf_refuses() -> None:
         s.extended.update(n, lambda var, d: var.assign_add(d), (_placed(),))
     with pytest.raises(TypeError, match=r"update: var must be a jaxdist\.Variable, got ArrayImpl"):
         s.extended.update(jnp.zeros(2), lambda var: var)
-    with pytest.raises(RuntimeError, match=r"extended\.update was called inside a replica"):
-        s.run(lambda ctx, var: s.extended.update(var, lambda v: v), args=(n,))
+    with pytest.raises(TypeError, match=r"update: assign on the copy of variable 'n': cannot"):
+        s.run(lambda ctx, var: s.extended.update(var, lambda v: v.assign(0.5)), args=(n,))
+
+
+_REPLICA_UPDATE_STRATEGIES = [
+    pytest.param(_mirrored, id="mirrored"),
+    pytest.param(_central, id="central_storage"),
+    pytest.param(lambda: jd.OneDeviceStrategy(jax.devices()[3]), id="one_device"),
+    pytest.param(lambda: jd.TPUStrategy(), id="tpu"),
+    pytest.param(
+        lambda: jd.experimental.MeshStrategy({"data": 4, "tensor": 2}, (("batch", "data"),)),
+        id="mesh",
+    ),
+]
+
+
+@pytest.mark.parametrize("make", _REPLICA_UPDATE_STRATEGIES)
+def test_update_inside_a_replica_function_updates_this_replicas_copy(make: Any) -> None:
+    """TF's replica-context ``extended.update`` (no merge_call): ``fn`` runs on this
+    replica's copy with this replica's arguments, no aggregation. A mirrored variable given
+    the same arguments everywhere, whatever its aggregation (SUM too: TF's update does not
+    aggregate), and an ON_READ one given each replica's own. Reference: NumPy."""
+    s = make()
+    n = s.num_replicas_in_sync
+    with s.scope():
+        w = jd.Variable(jnp.arange(3.0), aggregation=Agg.SUM, name="w")
+        c = jd.Variable(jnp.zeros(3), synchronization=Sync.ON_READ, aggregation=Agg.SUM)
+
+    def step(ctx: jd.ReplicaContext, w: jd.Variable, c: jd.Variable) -> Any:
+        w = s.extended.update(w, lambda v, x: v.assign_add(x).assign_sub(0.5), args=(2.0,))
+        w = s.extended.update(w, lambda v, k: v * k, kwargs={"k": 3.0})  # a plain function
+        rid = ctx.replica_id_in_sync_group.astype(jnp.float32)
+        c = s.extended.update(c, lambda v, d: v.assign_add(d), args=(jnp.full(3, rid + 1),))
+        return w, c
+
+    w2, c2 = s.run(step, args=(w, c))
+    assert isinstance(w2, jd.Variable) and w2.aggregation is Agg.SUM
+    np.testing.assert_allclose(np.asarray(w2), (np.arange(3.0) + 1.5) * 3.0, rtol=RTOL)
+    copies = np.arange(1.0, n + 1.0)[:, None] * np.ones(3)
+    np.testing.assert_allclose(np.asarray(c2), copies.sum(0), rtol=RTOL)  # SUM on read
+    np.testing.assert_array_equal(np.asarray(w), np.arange(3.0))  # w itself is unchanged
+
+
+def test_update_inside_a_replica_function_refuses_per_replica_values_for_mirrored() -> None:
+    """Where TF would let a mirrored variable's copies drift apart (each replica's own
+    argument, no aggregation), the error names the variable and the two fixes, and both work."""
+    s = _mirrored()
+    with s.scope():
+        w = jd.Variable(jnp.zeros(2), aggregation=Agg.MEAN, name="w")
+
+    def own(ctx: jd.ReplicaContext, w: jd.Variable) -> Any:
+        d = ctx.replica_id_in_sync_group.astype(jnp.float32) * jnp.ones(2)
+        return s.extended.update(w, lambda v, d: v.assign_add(d), args=(d,))
+
+    with pytest.raises(
+        jd.errors.ReplicaDivergenceError,
+        match=r"update: inside a replica function, fn's new value for the mirrored \(ON_WRITE\) "
+        r"variable 'w' differs across replicas.*ctx\.all_reduce.*aggregation \(MEAN\)",
+    ):
+        s.run(own, args=(w,))
+
+    def reduced(ctx: jd.ReplicaContext, w: jd.Variable) -> Any:
+        d = ctx.replica_id_in_sync_group.astype(jnp.float32) * jnp.ones(2)
+        return s.extended.update(w, lambda v, d: v.assign_add(d), (ctx.all_reduce("mean", d),))
+
+    mean = np.arange(N, dtype=np.float32).mean()
+    np.testing.assert_allclose(np.asarray(s.run(reduced, args=(w,))), [mean, mean], rtol=RTOL)
+    with pytest.raises(ValueError, match=r"update: fn returned shape \(3,\) for this replica's"):
+        s.run(lambda ctx, w: s.extended.update(w, lambda v: jnp.zeros(3)), args=(w,))
 
 
 def test_update_of_sync_on_read_copies_takes_per_replica_rows() -> None:

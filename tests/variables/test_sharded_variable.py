@@ -531,8 +531,8 @@ def test_training_step_through_run_on_eight_replicas_matches_numpy() -> None:
 
 def test_ctx_assign_and_extended_update_take_sharded_variables() -> None:
     """``ctx.assign*`` and ``extended.update`` of a ShardedVariable (formerly a TypeError)
-    update shard by shard, aggregated as each shard says; NumPy reference, exact (small
-    integers), on eight replicas."""
+    update shard by shard, ``ctx.assign*`` aggregated as each shard says, ``update`` not
+    aggregated (TF's); NumPy reference, exact (small integers), on eight replicas."""
     strategy = jd.MirroredStrategy()
     n = strategy.num_replicas_in_sync
     start = np.arange(10.0, dtype=np.float32)
@@ -545,13 +545,15 @@ def test_ctx_assign_and_extended_update_take_sharded_variables() -> None:
         w = ctx.assign_sub(w, jnp.full(10, r))  # MEAN: minus the mean of 0..n-1
         total = ctx.assign_add(total, jnp.full(10, 1.0))  # SUM: plus n
         w = strategy.extended.update(w, lambda v, d: v.assign_add(d), args=(jnp.ones(10),))
+        # TF's update does not aggregate, whatever the variable's aggregation (SUM here).
+        total = strategy.extended.update(total, lambda v: v.assign_sub(1.0))
         return w, total, len(ctx.updates)
 
     w2, total2, recorded = strategy.run(step, args=(w, total))
     assert isinstance(w2, SV) and _rows(w2) == [4, 3, 3]
     np.testing.assert_array_equal(w2.numpy(), start - np.mean(np.arange(n)) + 1.0)
-    np.testing.assert_array_equal(total2.numpy(), start + n)
-    assert int(recorded) == 9  # three updates of three shards, as ReplicaContext.updates
+    np.testing.assert_array_equal(total2.numpy(), start + n - 1.0)
+    assert int(recorded) == 12  # four updates of three shards, as ReplicaContext.updates
     # Cross-replica: every argument of the full shape is cut into the shards' rows.
     w3 = strategy.extended.update(w, lambda v, a, b: v.assign_add(a * b), args=(start, 2.0))
     assert isinstance(w3, SV)

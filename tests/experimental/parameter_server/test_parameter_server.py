@@ -663,6 +663,27 @@ def test_variable_aggregation_counts(strategy: Any) -> None:
     assert float(first) == 30.0
 
 
+def test_extended_update_in_a_closure_reaches_the_parameter_server(strategy: Any) -> None:
+    """TF's replica-context ``strategy.extended.update`` inside a scheduled function changes
+    the variable on its parameter server: an update that only adds counts every closure, one
+    that assigns sets the value. Reference: 20 closures adding 1.0, and an assign of 5.0."""
+    with strategy.scope():
+        total = jd.Variable(0.0, aggregation="sum")
+        last = jd.Variable(0.0)
+    c = ClusterCoordinator(strategy)
+
+    @strategy.function
+    def step(ctx: Any, t: Any, w: Any) -> Any:
+        strategy.extended.update(t, lambda v: v.assign_add(1.0))
+        strategy.extended.update(w, lambda v, x: v.assign(x), args=(5.0,))
+        return jnp.float32(0.0)
+
+    for _ in range(20):
+        c.schedule(step, args=(total, last))
+    c.join()
+    assert float(total) == 20.0 and float(last) == 5.0
+
+
 def test_dead_parameter_server_surfaces(strategy: Any) -> None:
     """TF's JoinRaisesUnavailableErrorAtPsFailure: a killed parameter server makes join (and
     schedule) raise an error naming it within 60 s, and reading its variables raises."""

@@ -365,29 +365,40 @@ class Snapshot:
         final = os.path.abspath(os.fspath(path))
         _refuse_foreign(final)
         tmp = f"{final}.tmp"
-        if _files.is_primary():
-            os.makedirs(os.path.dirname(final), exist_ok=True)
-            for stale in _leftovers(final):
-                _files.remove_tree(stale)
-        _files.barrier("prepared")
+        # Each step ends with every process meeting the others; a step that fails in one
+        # process fails in all of them there (`_files.together`), so none waits for it.
+        with _files.together("prepared"):
+            if _files.is_primary():
+                os.makedirs(os.path.dirname(final), exist_ok=True)
+                for stale in _leftovers(final):
+                    _files.remove_tree(stale)
         _storage.write_saveable(tmp, self.arrays)  # every process returns once it is there
-        me = jax.process_index()
-        if self.positions:
-            body = {"format": _ITERATOR_FORMAT, "process": me, "iterators": self.positions}
-            _files.write_json(os.path.join(tmp, iterator_file(me)), body, durable=False)
-        if _files.is_primary():
-            meta = {
-                "format": _FORMAT,
-                "version": 1,
-                "items": self.kinds,
-                "num_processes": jax.process_count(),
-            }
-            _files.write_json(os.path.join(tmp, META), meta, durable=False)
-        _files.barrier("written")
-        if _files.is_primary():
-            _files.publish(tmp, final)
-        _files.barrier("published")
+        try:
+            self._finish(tmp, final)
+        except Exception:
+            if _files.is_primary():
+                _files.remove_tree(tmp)  # nothing half-written is left behind
+            raise
         return final
+
+    def _finish(self, tmp: str, final: str) -> None:
+        """Adds the small files to the written arrays ``tmp``, then publishes it."""
+        me = jax.process_index()
+        with _files.together("written"):
+            if self.positions:
+                body = {"format": _ITERATOR_FORMAT, "process": me, "iterators": self.positions}
+                _files.write_json(os.path.join(tmp, iterator_file(me)), body, durable=False)
+            if _files.is_primary():
+                meta = {
+                    "format": _FORMAT,
+                    "version": 1,
+                    "items": self.kinds,
+                    "num_processes": jax.process_count(),
+                }
+                _files.write_json(os.path.join(tmp, META), meta, durable=False)
+        with _files.together("published"):
+            if _files.is_primary():
+                _files.publish(tmp, final)
 
 
 def _refuse_foreign(final: str) -> None:

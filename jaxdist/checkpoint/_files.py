@@ -23,6 +23,7 @@ import itertools
 import json
 import os
 import shutil
+from collections.abc import Iterator
 from typing import Any
 
 import jax
@@ -37,6 +38,7 @@ __all__ = [
     "publish",
     "read_json",
     "remove_tree",
+    "together",
     "write_json",
 ]
 
@@ -46,6 +48,7 @@ __all__ = [
 BARRIER_TIMEOUT_S = 1800
 
 _BARRIERS = itertools.count()  # every process passes the same barriers in the same order
+_MAX_REPORT = 2000  # characters of a failed process's error that the others show
 
 
 def is_primary() -> bool:
@@ -53,13 +56,49 @@ def is_primary() -> bool:
     return jax.process_index() == 0
 
 
-def barrier(what: str) -> None:
-    """Waits until every process of the job has reached this point (no-op in one process)."""
+def barrier(what: str, failure: Exception | None = None) -> None:
+    """Waits until every process of the job has reached this point, then raises in every
+    process if any of them arrived with a ``failure``: its own in that process, a
+    `RuntimeError` naming it in the others. So a process whose part of a save failed
+    never leaves the others waiting for it, and all of them pass the same barriers in
+    the same order afterwards. In one process: raises ``failure``, if any.
+    """
     client = distributed_client()
     if client is None or jax.process_count() == 1:
+        if failure is not None:
+            raise failure
         return
     name = f"jaxdist/checkpoint/{next(_BARRIERS)}/{what}"
+    if failure is not None:
+        text = f"{type(failure).__name__}: {failure}"
+        client.key_value_set(f"{name}/failed/{jax.process_index()}", text[:_MAX_REPORT])
     client.wait_at_barrier(name, BARRIER_TIMEOUT_S * 1000)
+    if failure is not None:
+        raise failure
+    failed = sorted(
+        (int(key.rsplit("/", 1)[1]), text)
+        for key, text in client.key_value_dir_get(f"{name}/failed/")
+    )
+    if failed:
+        who = "; ".join(f"process {p}: {text}" for p, text in failed)
+        raise RuntimeError(
+            f"jaxdist.checkpoint: the save failed in another process of the job, at its "
+            f"'{what}' step ({who}). Nothing was saved by this save; the checkpoints saved "
+            "before are intact. Every process raises this error together, so the job may "
+            "catch it and save again later (after fixing the cause), or end."
+        )
+
+
+@contextlib.contextmanager
+def together(what: str) -> Iterator[None]:
+    """Runs the body in every process, then `barrier` ``what``: if the body raised in any
+    process, every process raises (see `barrier`)."""
+    failure: Exception | None = None
+    try:
+        yield
+    except Exception as e:  # reported to the other processes, then raised
+        failure = e
+    barrier(what, failure)
 
 
 def check_writable(where: str, directory: str, argument: str) -> None:

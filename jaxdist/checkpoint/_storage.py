@@ -202,22 +202,23 @@ def write_saveable(path: str, saveable: Any) -> None:
     It runs no JAX computation and no collective, so it may run in a background
     thread while training goes on (`CheckpointManager`'s asynchronous saves).
     """
-    if _files.is_primary():
-        try:
-            _write_primary(path, saveable)
-        except Exception as e:
-            _files.remove_tree(path)  # nothing half-written is left behind
-            if _out_of_space(e):
-                raise OSError(
-                    errno.ENOSPC,
-                    f"jaxdist.checkpoint: the disk holding {os.path.dirname(path)} is full "
-                    f"({type(e).__name__}: {str(e)[:300]}); the checkpoint was not written, "
-                    "and what was written of it is removed. The checkpoints saved before are "
-                    "intact. Free space (or keep fewer checkpoints: max_to_keep), then save "
-                    "again.",
-                ) from None
-            raise
-    _files.barrier("arrays")  # the others find the directory and its manifest complete
+    # The others find the directory and its manifest complete, or all raise with process 0.
+    with _files.together("arrays"):
+        if _files.is_primary():
+            try:
+                _write_primary(path, saveable)
+            except Exception as e:
+                _files.remove_tree(path)  # nothing half-written is left behind
+                if _out_of_space(e):
+                    raise OSError(
+                        errno.ENOSPC,
+                        f"jaxdist.checkpoint: the disk holding {os.path.dirname(path)} is "
+                        f"full ({type(e).__name__}: {str(e)[:300]}); the checkpoint was not "
+                        "written, and what was written of it is removed. The checkpoints "
+                        "saved before are intact. Free space (or keep fewer checkpoints: "
+                        "max_to_keep), then save again.",
+                    ) from None
+                raise
 
 
 def _write_primary(path: str, saveable: Any) -> None:

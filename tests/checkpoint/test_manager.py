@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -494,6 +495,90 @@ def test_two_processes_save_and_one_process_restores(tmp_path: Path) -> None:
         jd.checkpoint.Checkpoint(v=_variables_1d(s8), data=it).restore(
             str(tmp_path / "with_data" / "ckpt-1")
         )
+
+
+_ONE_PROCESS_FAILS = worker_script(
+    """
+    import errno
+    import jax.numpy as jnp
+    import numpy as np
+    import jaxdist as jd
+    from jaxdist.checkpoint import _files, _storage
+
+    out_dir = sys.argv[3]
+    me = jax.process_index()
+    s = jd.MultiWorkerMirroredStrategy()
+    with s.scope():
+        v = jd.Variable(jnp.arange(4.0), aggregation="mean")
+    ds = s.distribute_datasets_from_function(
+        lambda ctx: jd.data.from_arrays(np.arange(32, dtype=np.float32), batch_size=2)
+    )
+    it = iter(ds)
+    next(it)
+    manager = jd.checkpoint.CheckpointManager(jd.checkpoint.Checkpoint(v=v, data=it), out_dir)
+
+    def fail_once(module, name, process):
+        # An I/O error in one process only (as a full or failing disk on one host).
+        real = getattr(module, name)
+
+        def failing(*args, **kwargs):
+            setattr(module, name, real)
+            raise OSError(errno.EIO, f"injected failure in process {process}")
+
+        if me == process:
+            setattr(module, name, failing)
+
+    outcomes = []
+    for module, name, process in [(_storage, "_write_primary", 0), (_files, "write_json", 1)]:
+        fail_once(module, name, process)
+        try:
+            manager.save()
+            outcomes.append("saved")
+        except Exception as e:
+            outcomes.append(f"{type(e).__name__}: {e}")
+    last = manager.save()
+    with s.scope():
+        fresh = jd.checkpoint.Checkpoint(v=jd.Variable(jnp.zeros(4)), data=iter(ds))
+    fresh.restore(last)
+    print(json.dumps({
+        "outcomes": outcomes,
+        "checkpoints": [os.path.basename(c) for c in manager.checkpoints],
+        "listing": sorted(os.listdir(out_dir)),
+        "restored": np.asarray(fresh.v.read_value()).tolist(),
+    }), flush=True)
+    """
+)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_save_failing_in_one_process_fails_in_every_process_at_once(tmp_path: Path) -> None:
+    """A save that fails in one process of a job (process 0 writing the arrays; process 1
+    writing its iterator positions) raises in every process at that step, instead of
+    leaving the others at the next barrier until its 30-minute timeout: the test's job
+    would hang past run_workers' timeout. The failing process raises its own error, the
+    others a RuntimeError naming it; every process then passes the same barriers, so the
+    next save succeeds and restores (reference: the saved values)."""
+    results = run_workers(_ONE_PROCESS_FAILS.replace("sys.argv[3]", repr(str(tmp_path))))
+    p0, p1 = results[0]["outcomes"], results[1]["outcomes"]  # each by save
+
+    def from_peer(step: str, process: int) -> str:
+        return (
+            r"RuntimeError: jaxdist\.checkpoint: the save failed in another process of the "
+            rf"job, at its '{step}' step \(process {process}: OSError: \[Errno 5\] injected "
+            rf"failure in process {process}\)\. Nothing was saved by this save; .*"
+        )
+
+    # Save 1: process 0's array write fails.
+    assert p0[0] == "OSError: [Errno 5] injected failure in process 0"
+    assert re.fullmatch(from_peer("arrays", 0), p1[0]), p1[0]
+    # Save 2: process 1's iterator positions fail.
+    assert p1[1] == "OSError: [Errno 5] injected failure in process 1"
+    assert re.fullmatch(from_peer("written", 1), p0[1]), p0[1]
+    for r in results:
+        assert r["checkpoints"] == ["ckpt-3"]  # the two failed saves left no entry
+        assert not [n for n in r["listing"] if n.startswith("ckpt-") and n != "ckpt-3"]
+        assert r["restored"] == [0.0, 1.0, 2.0, 3.0]
 
 
 def _variables_1d(strategy: jd.Strategy) -> dict[str, jd.Variable]:

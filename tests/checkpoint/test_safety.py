@@ -129,6 +129,33 @@ def test_a_writer_in_another_process_is_named_and_a_killed_one_leaves_no_lock(
     assert manager.save() == str(tmp_path / "ckpt-1")
 
 
+_LEFT_OPEN = textwrap.dedent(
+    """
+    import sys
+    import jax.numpy as jnp
+    import jaxdist as jd
+
+    manager = jd.checkpoint.CheckpointManager(jd.checkpoint.Checkpoint(w=jnp.zeros(2)), sys.argv[1])
+    manager.save()
+    print("saved", flush=True)
+    """
+)
+
+
+@pytest.mark.timeout(120)
+def test_a_manager_left_open_at_exit_lets_go_quietly(tmp_path: Path) -> None:
+    """A script that never closes its manager (a module global, as most training scripts
+    have) exits 0 with nothing on stderr about the lock. Before: "Exception ignored in
+    DirectoryLock.__del__ ... TypeError: 'NoneType' object is not callable" at every exit
+    (the lock was released after the interpreter had torn down its modules)."""
+    proc = start_python(_LEFT_OPEN, str(tmp_path), devices=1)
+    out, err = finish(proc, timeout=100)
+    assert proc.returncode == 0 and out.strip() == "saved", err[-3000:]
+    assert "DirectoryLock" not in err and "Exception ignored" not in err, err[-3000:]
+    manager = jd.checkpoint.CheckpointManager(jd.checkpoint.Checkpoint(w=jnp.ones(2)), tmp_path)
+    assert manager.save() == str(tmp_path / "ckpt-1")  # the lock went with the process
+
+
 class _FullDisk:
     """orbax's writer on a disk that fills up halfway: some files written, then the error
     tensorstore reports through orbax."""

@@ -33,7 +33,6 @@ from jaxdist.experimental.parameter_server.variables import (
 )
 from jaxdist.strategies.one_device import OneDeviceStrategy
 from jaxdist.variables import ShardedVariable, Variable
-from jaxdist.variables.meta import VariableAggregation, VariableSynchronization
 
 __all__ = ["Worker"]
 
@@ -124,7 +123,7 @@ class Worker:
             return Variable(
                 value,
                 synchronization=v.synchronization,
-                aggregation=self._local_aggregation(v),
+                aggregation=v.aggregation,
                 trainable=v.trainable,
                 name=v.name,
                 dtype=v.dtype,
@@ -133,20 +132,6 @@ class Worker:
         if isinstance(h, ShardedParameterServerVariable):
             return ShardedVariable([one(v) for v in h.variables], name=h.name)
         return one(h)
-
-    def _local_aggregation(self, v: ParameterServerVariable) -> VariableAggregation:
-        """The aggregation of ``v``'s local copy: its own, except that with one replica an
-        ``ON_WRITE`` variable's ``NONE`` is ``ONLY_FIRST_REPLICA`` (the same thing: there is
-        one update), which a one-device strategy's replica context accepts for updates that
-        depend on the closure's data."""
-        agg = v.aggregation
-        if (
-            agg is VariableAggregation.NONE
-            and v.synchronization is not VariableSynchronization.ON_READ
-            and self._strategy.num_replicas_in_sync == 1
-        ):
-            return VariableAggregation.ONLY_FIRST_REPLICA
-        return agg
 
     def _next(self, marker: PerWorkerIterator) -> Any:
         it = self._iterators.get(marker.iterator_id)

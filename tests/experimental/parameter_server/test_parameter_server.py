@@ -676,12 +676,13 @@ def test_extended_update_in_a_closure_reaches_the_parameter_server(strategy: Any
     def step(ctx: Any, t: Any, w: Any) -> Any:
         strategy.extended.update(t, lambda v: v.assign_add(1.0))
         strategy.extended.update(w, lambda v, x: v.assign(x), args=(5.0,))
-        return jnp.float32(0.0)
+        return jnp.asarray([t.aggregation.name == "SUM", w.aggregation.name == "NONE"])
 
-    for _ in range(20):
-        c.schedule(step, args=(total, last))
+    results = [c.schedule(step, args=(total, last)) for _ in range(20)]
     c.join()
     assert float(total) == 20.0 and float(last) == 5.0
+    # A worker's copies keep the variables' own aggregations (NONE stays NONE).
+    assert all(np.asarray(c.fetch(r)).tolist() == [True, True] for r in results)
 
 
 def test_dead_parameter_server_surfaces(strategy: Any) -> None:

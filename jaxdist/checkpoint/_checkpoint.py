@@ -377,7 +377,8 @@ class Snapshot:
             self._finish(tmp, final)
         except Exception:
             if _files.is_primary():
-                _files.remove_tree(tmp)  # nothing half-written is left behind
+                with contextlib.suppress(OSError):  # the error to raise is the first one
+                    _files.remove_tree(tmp)  # nothing half-written is left behind
             raise
         return final
 

@@ -157,7 +157,8 @@ def remove_tree(path: str) -> None:
 
 
 def publish(tmp: str, final: str) -> None:
-    """Makes the complete directory ``tmp`` visible as ``final`` (replacing one there)."""
+    """Makes the complete directory ``tmp`` visible as ``final`` (replacing one there; if
+    the new one cannot take its name, the old one gets it back)."""
     fsync_tree(tmp)
     parent = os.path.dirname(final)
     doomed = None
@@ -166,7 +167,12 @@ def publish(tmp: str, final: str) -> None:
         if os.path.lexists(doomed):
             shutil.rmtree(doomed, ignore_errors=True)
         os.rename(final, doomed)
-    os.rename(tmp, final)
+    try:
+        os.rename(tmp, final)
+    except OSError:
+        if doomed is not None:
+            os.rename(doomed, final)
+        raise
     _fsync(parent, directory=True)
     if doomed is not None:
         shutil.rmtree(doomed, ignore_errors=True)

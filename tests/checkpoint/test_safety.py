@@ -206,6 +206,38 @@ def test_a_full_disk_says_so_and_leaves_nothing_behind(
     manager.close()  # an asynchronous write finishes inside the test
 
 
+def test_a_rename_failing_over_an_entry_gives_the_old_entry_its_name_back(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Saving a number that exists replaces that entry: the old one is renamed away, then
+    the new one renamed in. If the second rename fails, the old entry is renamed back, so
+    the error's "the checkpoints saved before are intact" holds. Before: the old entry was
+    left as ``ckpt-1.deleted`` and the manager had no ``ckpt-1``."""
+    ckpt = jd.checkpoint.Checkpoint(w=jnp.arange(4.0))
+    manager = jd.checkpoint.CheckpointManager(ckpt, tmp_path)
+    manager.save(1)
+    real_rename = os.rename
+    failed: list[str] = []
+
+    def failing(src: Any, dst: Any) -> None:
+        if str(src).endswith("ckpt-1.tmp") and not failed:  # once, then the cleanup works
+            failed.append(str(dst))
+            raise OSError(errno.EIO, "injected rename failure", str(src))
+        real_rename(src, dst)
+
+    monkeypatch.setattr(os, "rename", failing)
+    ckpt.w = jnp.zeros(4)
+    with pytest.raises(OSError, match="injected rename failure"):
+        manager.save(1)
+    monkeypatch.undo()
+    assert failed == [str(tmp_path / "ckpt-1")]  # the rename that publishes the new entry
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt-1", "jaxdist_checkpoints.json"]
+    fresh = jd.checkpoint.Checkpoint(w=jnp.ones(4))
+    fresh.restore(str(tmp_path / "ckpt-1"))
+    np.testing.assert_array_equal(np.asarray(fresh.w), np.arange(4.0))
+    manager.close()
+
+
 def test_every_file_is_flushed_before_the_rename_that_publishes_it(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -502,8 +502,15 @@ class _Job:
             try:
                 at, line = self._queue.get(timeout=max(0.01, deadline - time.monotonic()))
             except queue.Empty:
+                # The launcher's own lines and the START lines first (a restart the test did
+                # not cause shows there), then the last lines.
+                marks = [ln for _, ln in self.lines if ln.startswith("jaxdist.") or " START " in ln]
                 text = "\n".join(line for _, line in self.lines[-40:])
-                raise AssertionError(f"no line matches {pattern!r}; last lines:\n{text}") from None
+                raise AssertionError(
+                    f"no line matches {pattern!r}; launcher and START lines:\n"
+                    + "\n".join(marks[-20:])
+                    + f"\nlast lines:\n{text}"
+                ) from None
             self.lines.append((at, line))
             if m := re.search(pattern, line):
                 return at, m

@@ -221,14 +221,10 @@ def _onto(x: Any, sharding: Any) -> Any:
     return jax.device_put(x, sharding)
 
 
-def _updated_value(fn: Callable[..., Any], view: _CopyView, args: Any, kwargs: Any) -> Any:
-    """Calls ``fn(view, ...)``; its result, or the view's value, is the copy's new value."""
-    return _applied(fn, view, args, kwargs)[0]
-
-
 def _applied(fn: Callable[..., Any], view: _CopyView, args: Any, kwargs: Any) -> tuple[Any, str]:
-    """`_updated_value`, and ``"assign_add"`` when ``fn`` only added to or subtracted from
-    ``view`` (a parameter server adds such a change), else ``"assign"``."""
+    """Calls ``fn(view, ...)``; its result, or the view's value, is the copy's new value.
+    Also returns ``"assign_add"`` when ``fn`` only added to or subtracted from ``view`` (a
+    parameter server adds such a change), else ``"assign"``."""
     result = fn(view, *args, **kwargs)
     if result is None or result is view:
         return view.read_value(), "assign" if view.assigned else "assign_add"
@@ -245,6 +241,19 @@ def _applied(fn: Callable[..., Any], view: _CopyView, args: Any, kwargs: Any) ->
         f"copy of {view.variable!r}. Return the new value (an array), or the copy it was given "
         "after v.assign / v.assign_add / v.assign_sub (or nothing)."
     )
+
+
+def _check_copy(
+    var: Variable, dtype: Any, shape: tuple[int, ...], want: tuple[int, ...], whose: str
+) -> None:
+    """Raises unless ``fn``'s new value (``dtype``, ``shape``) fits ``var``'s copy (``want``)."""
+    where = "StrategyExtended.update"
+    if shape != want:
+        raise ValueError(
+            f"{where}: fn returned shape {shape} for {whose} of {var!r}, whose shape is "
+            f"{want}. Return a value of the variable's shape."
+        )
+    var.check_fits(dtype, shape, where)
 
 
 class StrategyExtended:
@@ -395,7 +404,7 @@ class StrategyExtended:
                     is_leaf=is_distributed,
                 )
                 new = jax.vmap(
-                    lambda c, a, k: jnp.asarray(_updated_value(fn, _CopyView(c, var), a, k)),
+                    lambda c, a, k: jnp.asarray(_applied(fn, _CopyView(c, var), a, k)[0]),
                     in_axes=(0, *axes),
                 )(stored, *unwrapped)
                 copy_shape = tuple(stored.shape[1:])
@@ -412,15 +421,10 @@ class StrategyExtended:
                     (args, kwargs),
                     is_leaf=is_distributed,
                 )
-                new = jnp.asarray(_updated_value(fn, _CopyView(stored, var), a, k))
+                new = jnp.asarray(_applied(fn, _CopyView(stored, var), a, k)[0])
                 copy_shape = tuple(stored.shape)
             per_copy = tuple(new.shape[1:]) if var.per_replica_storage else tuple(new.shape)
-            if per_copy != copy_shape:
-                raise ValueError(
-                    f"{where}: fn returned shape {per_copy} for a copy of {var!r}, whose "
-                    f"shape is {copy_shape}. Return a value of the variable's shape."
-                )
-            var.check_fits(new.dtype, per_copy, where)
+            _check_copy(var, new.dtype, per_copy, copy_shape, "a copy")
             return var.with_stored(var.placed(new.astype(var.dtype)))
 
         result = self._strategy.gated(compute)
@@ -453,13 +457,7 @@ class StrategyExtended:
         current = var.stored if var.is_on_read or not bound else mirror_of(ctx, var, where)
         value, kind = _applied(fn, _CopyView(current, var), a, k)
         new = jnp.asarray(value)
-        if tuple(new.shape) != tuple(current.shape):
-            raise ValueError(
-                f"{where}: fn returned shape {tuple(new.shape)} for this replica's copy of "
-                f"{var!r}, whose shape is {tuple(current.shape)}. Return a value of the "
-                "variable's shape."
-            )
-        var.check_fits(new.dtype, tuple(new.shape), where)
+        _check_copy(var, new.dtype, tuple(new.shape), tuple(current.shape), "this replica's copy")
         if (
             bound
             and not var.is_on_read

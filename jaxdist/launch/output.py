@@ -5,26 +5,17 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import re
 import selectors
 import time
 from collections.abc import Callable
 from typing import IO, TextIO
 
+from jaxdist.launch.gloo import HINTS as GLOO_HINTS
+from jaxdist.launch.gloo import GlooFilter
+
 NAME = "jaxdist.launch"
 POLL_INTERVAL = 0.05  # seconds between checks of the processes while copying their output
 _MAX_LINE = 1 << 16  # a longer line without a newline is copied in pieces
-GLOO_LINE = re.compile(
-    rb"\[Gloo\] Rank \d+ is connected to \d+ peer ranks\."
-    rb"(?: Expected number of connected peer ranks is : \d+)?\n?"
-)
-"""The line Gloo (XLA's CPU collectives) prints for every device at every start; its C++
-threads write it in pieces, between the bytes of other lines and of each other."""
-GLOO_PIECE = re.compile(
-    rb"\[Gloo\] Rank |\d+ is connected to \d+ peer ranks\.|"
-    rb" Expected number of connected peer ranks is : \d+"
-)
-"""A piece of `GLOO_LINE` as its threads write them; a line left empty without them goes."""
 
 
 @dataclasses.dataclass
@@ -36,6 +27,7 @@ class _Pipe:
     prefix: bytes
     pending: bytes = b""
     watch: Callable[[str], None] | None = None  # sees each of its lines that jaxdist wrote
+    gloo: GlooFilter = dataclasses.field(default_factory=GlooFilter)
 
 
 class Output:
@@ -43,8 +35,8 @@ class Output:
 
     Everything runs in the launcher's main thread (a selector, no reader threads), so
     lines can never mix; a line longer than 64 KiB without a newline is cut. Gloo's
-    connection lines (`GLOO_LINE`) are left out unless ``gloo``, also where they split
-    another line.
+    connection lines are left out unless ``gloo``, also where their pieces fall between
+    the pieces of another line (`jaxdist.launch.gloo`).
     """
 
     def __init__(self, stdout: TextIO, stderr: TextIO, *, gloo: bool = False) -> None:
@@ -87,15 +79,19 @@ class Output:
         if not self._selector.get_map():
             time.sleep(timeout)
             return
-        for key, _ in self._selector.select(timeout):
+        ready = self._selector.select(timeout)
+        for key in self._selector.get_map().values():  # no next line came: copy a held one
+            if key.data.gloo.held is not None and all(key is not k for k, _ in ready):
+                self._copy(key.data, key.data.gloo.release())
+        for key, _ in ready:
             p: _Pipe = key.data
             chunk = os.read(key.fd, _MAX_LINE)
             if not chunk:
                 self._close(p)
                 continue
             data = p.pending + chunk
-            if not self.gloo and b"[Gloo]" in data:
-                data = GLOO_LINE.sub(b"", data)
+            if not self.gloo:
+                data = p.gloo.whole_lines(data)
             cut = data.rfind(b"\n") + 1 or (len(data) if len(data) >= _MAX_LINE else 0)
             p.pending = data[cut:]
             self._emit(p, data[:cut])
@@ -111,15 +107,12 @@ class Output:
     def _emit(self, p: _Pipe, data: bytes) -> None:
         if data:
             lines = data.removesuffix(b"\n").split(b"\n")
-            if not self.gloo and (b"[Gloo] Rank " in data or b"peer ranks" in data):
-                # A piece alone may start another line ("[Gloo] Rank " flushed before it).
-                lines = [
-                    kept
-                    for line in lines
-                    if (kept := GLOO_PIECE.sub(b"", line)).strip() or kept == line
-                ]
-                if not lines:
-                    return
+            if not self.gloo and (p.gloo.owes or any(w in data for w in GLOO_HINTS)):
+                lines = [kept for line in lines for kept in p.gloo.lines(line)]
+            self._copy(p, lines)
+
+    def _copy(self, p: _Pipe, lines: list[bytes]) -> None:
+        if lines:
             self.write(p.sink, b"".join(p.prefix + line + b"\n" for line in lines))
             if p.watch is not None:
                 for line in lines:
@@ -128,5 +121,6 @@ class Output:
 
     def _close(self, p: _Pipe) -> None:
         self._emit(p, p.pending)
+        self._copy(p, p.gloo.release())
         self._selector.unregister(p.pipe)
         p.pipe.close()

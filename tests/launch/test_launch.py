@@ -595,6 +595,65 @@ def test_a_gloo_piece_that_starts_a_line_of_the_program_is_left_out() -> None:
     assert err.getvalue() == ""
 
 
+# A connection line as one device thread writes it: eight writes.
+_GLOO_WRITES = (
+    b"[Gloo] Rank ", b"3", b" is connected to ", b"7", b" peer ranks. ",
+    b"Expected number of connected peer ranks is : ", b"7", b"\n",
+)  # fmt: skip
+
+
+def _copied(data: bytes) -> str:
+    out = io.StringIO()
+    output = Output(out, io.StringIO())
+    read, write = os.pipe()
+    output.add(os.fdopen(read, "rb"), out, b"[1] ")
+    with os.fdopen(write, "wb") as f:
+        f.write(data)
+    output.drain(timeout=10)
+    return out.getvalue()
+
+
+@pytest.mark.parametrize("seen", [False, True], ids=["first_gloo_line", "after_a_whole_one"])
+@pytest.mark.parametrize("line", [b"START 0 4242 0", b"STEP 12", b"loss 0.5", b"x", b"DONE 120"])
+def test_a_program_line_among_the_pieces_of_a_gloo_line_keeps_every_byte(
+    line: bytes, seen: bool
+) -> None:
+    """The program writes its line and its newline (two writes, as unbuffered Python does)
+    anywhere among the eight writes of a Gloo thread: the copy is the program's line, whole.
+    Before, ``[Gloo] Rank `` + ``3`` + the line gave ``3START 0 4242 0``, and a rank written
+    after the program's digits stayed there (``DONE 1203``)."""
+    whole = _GLOO.replace(b"Rank 3", b"Rank 1")  # another thread's, written whole
+    cases = 0
+    for text_at in range(len(_GLOO_WRITES) + 1):
+        for newline_at in range(text_at, len(_GLOO_WRITES) + 1):
+            writes = [*_GLOO_WRITES[:text_at], line, *_GLOO_WRITES[text_at:newline_at], b"\n"]
+            writes += _GLOO_WRITES[newline_at:]
+            data = b"before 1\n" + (whole if seen else b"") + b"".join(writes) + b"after 2\n"
+            got = _copied(data)
+            assert got == f"[1] before 1\n[1] {line.decode()}\n[1] after 2\n", data
+            cases += 1
+    assert cases == 45
+
+
+def test_a_line_kept_back_for_its_last_digits_is_copied_when_nothing_follows() -> None:
+    # "[Gloo] Rank " + the program's "STEP 5" + "3"(?) + newline: whose the 3 is shows only in
+    # the next line (" is connected to" at its start: Gloo's). Nothing comes: copied as read.
+    out = io.StringIO()
+    output = Output(out, io.StringIO())
+    read, write = os.pipe()
+    output.add(os.fdopen(read, "rb"), out, b"[1] ")
+    with os.fdopen(write, "wb", buffering=0) as f:
+        f.write(b"[Gloo] Rank STEP 53\n")
+        output.pump(1.0)
+        assert out.getvalue() == ""  # kept back
+        output.pump(0.05)
+        assert out.getvalue() == "[1] STEP 53\n"  # no next line within a poll
+        f.write(b"[Gloo] Rank STEP 6\n3 is connected to 7 peer ranks.\n")
+        output.pump(1.0)
+        assert out.getvalue() == "[1] STEP 53\n[1] STEP 6\n"
+    output.drain(timeout=10)
+
+
 def test_the_launcher_takes_show_gloo() -> None:
     assert launch_module._parse(["--show-gloo", str(CHILD)], "launch").show_gloo
     assert not launch_module._parse([str(CHILD)], "launch").show_gloo

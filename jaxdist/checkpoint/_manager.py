@@ -72,8 +72,9 @@ class CheckpointManager:
             written while training goes on (see `wait_until_finished`).
 
     A manager over a directory that already holds checkpoints (a restarted
-    job) takes them over: `latest_checkpoint` is the newest, and the next
-    save deletes the oldest beyond ``max_to_keep``. Directories named like its
+    job) takes them over: `latest_checkpoint` is the last written (also by
+    `Checkpoint.save` into the directory, as in TF), and the next save
+    deletes the oldest beyond ``max_to_keep``. Directories named like its
     entries that jaxdist did not write are refused (``FileExistsError``), never
     replaced. One manager writes into a directory at a time: the first `save`
     locks it until `close` (or the end of the process), and a second manager's
@@ -165,7 +166,8 @@ class CheckpointManager:
     # State ------------------------------------------------------------------------------
 
     def _recover(self) -> list[str]:
-        """The complete entries on disk, in the recorded order, then the unrecorded ones."""
+        """The complete entries on disk, oldest first: the recorded ones in the recorded order,
+        the unrecorded ones before or after them by when they were written."""
         if not os.path.isdir(self._directory):
             return []
         named = [
@@ -200,7 +202,19 @@ class CheckpointManager:
                 )
         kept = [n for n in recorded if n in on_disk]
         rest = sorted(on_disk - set(kept), key=lambda n: int(n.rsplit("-", 1)[1]))
-        return kept + rest
+        if not kept:
+            return rest
+        # An unrecorded entry written after the record is a save interrupted before its
+        # record (the newest); one written before it (by `Checkpoint.save` into this
+        # directory) is older than every recorded one: the latest is the last written, as
+        # TF's `latest_checkpoint` (whose metadata `Checkpoint.save` updates) says.
+        recorded_at = os.stat(state_file).st_mtime_ns
+        older = [n for n in rest if self._written_at(n) < recorded_at]
+        return older + kept + [n for n in rest if n not in older]
+
+    def _written_at(self, name: str) -> int:
+        """When entry ``name``'s metadata was written (nanoseconds since the epoch)."""
+        return os.stat(os.path.join(self._directory, name, META)).st_mtime_ns
 
     def _record(self) -> None:
         body = {

@@ -308,6 +308,30 @@ def test_unrecorded_complete_entries_are_taken_over(tmp_path: Path) -> None:
     assert _names(third.checkpoints) == ["ckpt-1", "ckpt-7", "ckpt-8"]
 
 
+def test_an_entry_saved_by_checkpoint_save_before_the_managers_last_save_is_not_the_latest(
+    tmp_path: Path,
+) -> None:
+    """TF's advice without a manager: save into the handler's directory with
+    ``Checkpoint.save``. That entry is older than the handler's own save after it, so a
+    restart restores the handler's (TF's ``latest_checkpoint`` is the last written). Before,
+    every unrecorded entry was taken as the newest: the restart went back to ``ckpt-1``."""
+    ckpt = jd.checkpoint.Checkpoint(w=jnp.zeros(()))
+    manager = jd.checkpoint.CheckpointManager(ckpt, tmp_path, max_to_keep=None)  # the handler's
+    ckpt.w = jnp.asarray(2.0)
+    ckpt.save(tmp_path / "ckpt")  # the user's own, ckpt-1, after the manager was made
+    ckpt.w = jnp.asarray(5.0)
+    assert _names([manager.save(checkpoint_number=2)]) == ["ckpt-2"]
+    manager.close()
+    again = jd.checkpoint.CheckpointManager(
+        restored := jd.checkpoint.Checkpoint(w=jnp.zeros(())), tmp_path, max_to_keep=None
+    )
+    assert _names(again.checkpoints) == ["ckpt-1", "ckpt-2"]
+    assert _names([again.latest_checkpoint]) == ["ckpt-2"]
+    again.restore_or_initialize()
+    assert float(restored.w) == 5.0
+    again.close()
+
+
 # Verification -----------------------------------------------------------------------------
 
 

@@ -43,7 +43,7 @@ class InputOptions:
     Attributes:
         experimental_fetch_to_device: place batches on the replicas' devices,
             ahead of the step; False yields host NumPy arrays (single process
-            only).
+            only). None is the default, True, as in TF.
         experimental_replication_mode: see `InputReplicationMode`.
         experimental_per_replica_buffer_size: batches placed on the devices
             ahead of the one being consumed (default 1); 0 turns prefetching
@@ -58,13 +58,21 @@ class InputOptions:
             ``"error"``.
     """
 
-    experimental_fetch_to_device: bool = True
+    experimental_fetch_to_device: bool | None = True
     experimental_replication_mode: InputReplicationMode = InputReplicationMode.PER_WORKER
     experimental_per_replica_buffer_size: int = 1
     experimental_auto_shard_policy: AutoShardPolicy = AutoShardPolicy.AUTO
     partial_batches: str = "pad"
 
     def __post_init__(self) -> None:
+        if self.experimental_fetch_to_device is None:  # TF's default
+            object.__setattr__(self, "experimental_fetch_to_device", True)
+        if not isinstance(self.experimental_fetch_to_device, bool):
+            raise TypeError(
+                "InputOptions(experimental_fetch_to_device="
+                f"{self.experimental_fetch_to_device!r}): expected True, False or None (the "
+                "default, True)."
+            )
         if (
             not isinstance(self.experimental_per_replica_buffer_size, int)
             or isinstance(self.experimental_per_replica_buffer_size, bool)

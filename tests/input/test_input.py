@@ -43,6 +43,10 @@ def test_input_context() -> None:
         jd.InputOptions(experimental_per_replica_buffer_size=True)
     with pytest.raises(ValueError, match=r"partial_batches='keep'"):
         jd.InputOptions(partial_batches="keep")
+    # TF: None is the default, fetching to the devices (it was kept, and read as False).
+    assert jd.InputOptions(experimental_fetch_to_device=None) == jd.InputOptions()
+    with pytest.raises(TypeError, match=r"experimental_fetch_to_device='yes'\): expected True"):
+        jd.InputOptions(experimental_fetch_to_device="yes")  # type: ignore[arg-type]
 
 
 def test_from_arrays() -> None:

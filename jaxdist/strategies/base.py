@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import operator
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -46,6 +47,17 @@ from jaxdist.variables import as_distributed, is_distributed, unshard
 __all__ = ["Strategy"]
 
 AXIS_NAME = "replica"
+
+
+def _integer(axis: Any) -> Any:
+    """``axis`` as a Python int where it is an integer of another kind (a NumPy integer, a
+    0-d integer array), as TF takes them; anything else (a bool too) unchanged."""
+    if isinstance(axis, (bool, np.bool_, int)):
+        return axis
+    try:
+        return operator.index(axis)
+    except TypeError:
+        return axis
 
 
 def _strong(fn: Callable[..., Any]) -> Callable[[], Callable[..., Any]]:
@@ -463,6 +475,7 @@ class Strategy(DatasetMethods):
         where = self._name("reduce")
         check_cross_replica(self, "reduce")
         op = ReduceOp.from_any(reduce_op, where=where)
+        axis = None if axis is None else _integer(axis)
         if axis is not None and (isinstance(axis, bool) or not isinstance(axis, int)):
             raise TypeError(
                 f"{where}: axis must be an int or None, got {axis!r}; None reduces across "
@@ -498,6 +511,7 @@ class Strategy(DatasetMethods):
         """Concatenates every replica's value along ``axis`` (cross-replica context)."""
         where = self._name("gather")
         check_cross_replica(self, "gather")
+        axis = _integer(axis)
         if isinstance(axis, bool) or not isinstance(axis, int):
             raise TypeError(
                 f"{where}: axis must be an int naming the axis of each replica's value to "

@@ -202,6 +202,13 @@ def test_gather_and_reduce_argument_errors(mirrored8: jd.MirroredStrategy) -> No
         mirrored8.gather(v, axis=True)
     with pytest.raises(TypeError, match=r"reduce: axis must be an int or None, got True"):
         mirrored8.reduce("sum", v, axis=True)
+    with pytest.raises(TypeError, match=r"reduce: axis must be an int or None, got 0.5"):
+        mirrored8.reduce("sum", v, axis=0.5)
+    # Integers of other kinds, as TF takes them (a NumPy integer, a 0-d integer array).
+    x = np.arange(24.0, dtype=np.float32).reshape(8, 3)
+    for axis in (np.int64(0), jnp.int32(0), np.asarray(0)):
+        np.testing.assert_array_equal(mirrored8.reduce("sum", jd.PerReplica(x), axis=axis), 276.0)
+        np.testing.assert_array_equal(mirrored8.gather(jd.PerReplica(x), axis=axis), x.ravel())
     with pytest.raises(ValueError, match=r"cannot take the MAX along axis 0 .* empty"):
         mirrored8.reduce("max", jd.PerReplica(jnp.ones((8, 0))), axis=0)
     for bad in (jd.PerReplica(jnp.ones((3, 2))), jd.PerReplica(jnp.ones((7, 2)))):

@@ -96,7 +96,14 @@ class ReplicaContext:
     __add__ = __radd__ = __sub__ = __rsub__ = __mul__ = __rmul__ = _used_as_value
     __truediv__ = __rtruediv__ = __matmul__ = __rmatmul__ = __neg__ = _used_as_value
 
-    def _check_live(self, method: str) -> None:
+    def _check_live(self, method: str, collective: bool = True) -> None:
+        if collective and STATE.get().merging:  # TF: "Need to be inside call_for_each_replica()"
+            raise RuntimeError(
+                f"ReplicaContext.{method}: called inside a merge_fn, which runs in "
+                "cross-replica context (as in TF, replica-context methods are refused there). "
+                "In merge_fn use the strategy it receives: strategy.reduce, strategy.gather, "
+                "strategy.extended.reduce_to / batch_reduce_to; or call it before merge_call."
+            )
         if not self._live[0]:
             name = type(self.strategy).__name__
             raise RuntimeError(
@@ -119,7 +126,7 @@ class ReplicaContext:
     @property
     def replica_id_in_sync_group(self) -> jax.Array:
         """This replica's index in ``[0, num_replicas_in_sync)`` (a traced int32)."""
-        self._check_live("replica_id_in_sync_group")
+        self._check_live("replica_id_in_sync_group", collective=False)
         if not self.bound_to_axis:
             return jnp.int32(0)
         return lax.axis_index(self.axis_name)
@@ -132,7 +139,7 @@ class ReplicaContext:
         with ``valid`` counts; the first such batch if there are several);
         ``None`` otherwise. Only the last, partial batch of a dataset has padding.
         """
-        self._check_live("num_valid")
+        self._check_live("num_valid", collective=False)
         if not self._valid:
             return None
         counts, replicated = self._valid[0]
@@ -146,7 +153,7 @@ class ReplicaContext:
         `experimental_distribute_dataset` carry every replica's count, so this
         costs no communication; otherwise it is one small all-reduce.
         """
-        self._check_live("global_num_valid")
+        self._check_live("global_num_valid", collective=False)
         if not self._valid:
             return None
         counts, replicated = self._valid[0]

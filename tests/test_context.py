@@ -4,6 +4,8 @@ ppermute pairs."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -144,6 +146,35 @@ def test_run_inside_merge_call_is_explained(mirrored8: jd.MirroredStrategy) -> N
 
     with pytest.raises(RuntimeError, match=r"run was called inside a merge_fn"):
         mirrored8.run(lambda ctx: ctx.merge_call(merge_fn, args=(1.0,)))
+
+
+@pytest.mark.parametrize("bound", [True, False], ids=["in_run", "default_context"])
+def test_replica_context_collectives_inside_merge_fn_are_refused(
+    mirrored8: jd.MirroredStrategy, bound: bool
+) -> None:
+    """TF: merge_call and the collectives need replica context ("Need to be inside
+    call_for_each_replica()"); a merge_fn runs in cross-replica context. They ran."""
+    calls = {
+        "merge_call": lambda ctx: ctx.merge_call(lambda s: 1.0),
+        "all_reduce": lambda ctx: ctx.all_reduce("sum", 1.0),
+        "all_gather": lambda ctx: ctx.all_gather(jnp.ones(2), axis=0),
+        "broadcast": lambda ctx: ctx.broadcast(1.0),
+    }
+    for method, call in calls.items():
+
+        def fn(ctx: jd.ReplicaContext, call: Any = call) -> Any:
+            return ctx.merge_call(lambda strategy: call(ctx))
+
+        match = rf"ReplicaContext.{method}: called inside a merge_fn, which runs in cross-replica"
+        with pytest.raises(RuntimeError, match=match):
+            mirrored8.run(fn) if bound else fn(jd.get_replica_context())
+    # What merge_fn should use instead works, and the ids still read outside it.
+    out = mirrored8.run(
+        lambda ctx: ctx.merge_call(
+            lambda s, x: s.reduce("sum", x), args=(ctx.replica_id_in_sync_group,)
+        )
+    )
+    np.testing.assert_array_equal(np.asarray(out.array), 28)
 
 
 def test_bad_ppermute(mirrored8: jd.MirroredStrategy) -> None:

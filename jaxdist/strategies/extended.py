@@ -26,6 +26,7 @@ from jaxdist._scope import check_cross_replica, current_replica_context
 from jaxdist.collectives.communication import CommunicationOptions, resolve_options
 from jaxdist.errors import ReplicaDivergenceError
 from jaxdist.strategies.checks import check_counts
+from jaxdist.values.array_like import ReadsLikeAnArray
 from jaxdist.values.distributed import Mirrored, PerReplica
 from jaxdist.values.reduce_op import ReduceOp
 from jaxdist.variables import (
@@ -35,7 +36,6 @@ from jaxdist.variables import (
     as_distributed,
     is_distributed,
 )
-from jaxdist.variables._ops import ReadsLikeAnArray
 from jaxdist.variables._replica_updates import mirror_of
 from jaxdist.variables.meta import colocate_with
 
@@ -134,6 +134,9 @@ class _CopyView(ReadsLikeAnArray):
     def value(self) -> Any:
         """Same as `read_value`."""
         return self._value
+
+    def _array_value(self) -> Any:  # what operators and conversions read
+        return self.read_value()
 
     def _coerce(self, value: Any, method: str) -> Any:
         where = f"StrategyExtended.update: {method} on the copy of variable {self._var.name!r}"

@@ -26,6 +26,7 @@ from jaxdist._dtypes import numeric
 from jaxdist._jax_compat import is_tracer
 from jaxdist._scope import get_strategy
 from jaxdist.devices import LOGICAL_AXIS_NAME
+from jaxdist.values.array_like import ReadsLikeAnArray
 
 __all__ = ["DistributedValues", "Mirrored", "PerReplica", "ValueContext"]
 
@@ -283,17 +284,19 @@ def _counts_by_replica(valid: Any) -> dict[int, int]:
     return dict(enumerate(np.asarray(valid).tolist()))
 
 
-class Mirrored(DistributedValues):
+class Mirrored(DistributedValues, ReadsLikeAnArray):
     """A value identical on every replica (for example the result of an all-reduce).
 
     ``array`` is the value itself (no replica axis), replicated on each
-    replica's device. It converts like that array.
+    replica's device. It converts like that array, and Python's operators,
+    comparisons and indexing apply to it (TF's ``Mirrored`` is used directly in
+    cross-replica context the same way).
 
     Example:
         >>> import jax.numpy as jnp, numpy as np, jaxdist as jd
         >>> m = jd.Mirrored(jnp.float32(3.0))
-        >>> float(m), np.asarray(m).tolist(), float(jnp.add(m, 1))
-        (3.0, 3.0, 4.0)
+        >>> float(m), np.asarray(m).tolist(), float(jnp.add(m, 1)), float(2 * m + 1)
+        (3.0, 3.0, 4.0, 7.0)
     """
 
     __slots__ = ()
@@ -307,22 +310,7 @@ class Mirrored(DistributedValues):
             shards = [s for s in shards if s.device in firsts]
         return tuple(s.data for s in shards)
 
-    def __float__(self) -> float:
-        return float(self.array)
-
-    def __int__(self) -> int:
-        return int(self.array)
-
-    def __index__(self) -> int:
-        return int(self.array.__index__())
-
-    def __bool__(self) -> bool:
-        return bool(self.array)
-
-    def __array__(self, dtype: Any = None, copy: bool | None = None) -> np.ndarray:
-        return np.asarray(self.array, dtype=dtype)
-
-    def __jax_array__(self) -> Any:
+    def _array_value(self) -> Any:  # what operators and conversions read
         return self.array
 
 

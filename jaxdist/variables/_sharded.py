@@ -38,10 +38,10 @@ import numpy as np
 
 from jaxdist import _cpu_gate
 from jaxdist._jax_compat import is_tracer
+from jaxdist.values.array_like import ReadsLikeAnArray
 from jaxdist.values.distributed import Mirrored, PerReplica
 from jaxdist.variables import _variable
 from jaxdist.variables._dtype_rules import initial_array
-from jaxdist.variables._ops import ReadsLikeAnArray
 from jaxdist.variables._variable import Variable, as_distributed
 
 __all__ = ["ShardedVariable", "div_rows"]
@@ -163,6 +163,9 @@ class ShardedVariable(ReadsLikeAnArray):
 
     def value(self) -> Any:
         """Same as `read_value` (tf.Variable's name)."""
+        return self.read_value()
+
+    def _array_value(self) -> Any:  # what operators and conversions read
         return self.read_value()
 
     def numpy(self) -> np.ndarray:

@@ -58,11 +58,11 @@ from jaxdist._dtypes import lossy_cast, numeric
 from jaxdist._jax_compat import is_tracer
 from jaxdist._protocols import StrategyLike
 from jaxdist._scope import current_replica_context, current_state, get_strategy
+from jaxdist.values.array_like import ReadsLikeAnArray
 from jaxdist.values.cross_replica import reduce_leaf
 from jaxdist.values.distributed import DistributedValues, Mirrored, PerReplica
 from jaxdist.values.reduce_op import ReduceOp
 from jaxdist.variables._dtype_rules import initial_array, split_sum
-from jaxdist.variables._ops import ReadsLikeAnArray
 from jaxdist.variables.meta import (
     COLOCATE,
     Meta,
@@ -355,6 +355,9 @@ class Variable(ReadsLikeAnArray):
 
     def value(self) -> Any:
         """Same as `read_value` (tf.Variable's name)."""
+        return self.read_value()
+
+    def _array_value(self) -> Any:  # what operators and conversions read
         return self.read_value()
 
     def numpy(self) -> np.ndarray:

@@ -30,6 +30,16 @@ def test_mirrored_converts_like_an_array(mirrored8: jd.MirroredStrategy) -> None
     np.testing.assert_allclose(jnp.add(out, 1.0), 13.0)
     vec = mirrored8.run(lambda ctx: ctx.all_reduce("sum", jnp.arange(3.0)))
     np.testing.assert_allclose(np.asarray(vec, dtype=np.float64), [0.0, 8.0, 16.0])
+    # Python's operators, comparisons and indexing, as on TF's Mirrored (they raised).
+    ref = np.array([0.0, 8.0, 16.0])
+    np.testing.assert_allclose(vec + 1, ref + 1)
+    np.testing.assert_allclose(2 * vec - 1, 2 * ref - 1)
+    np.testing.assert_allclose(1 / (vec + 1), 1 / (ref + 1))
+    np.testing.assert_array_equal(vec > 4, ref > 4)
+    np.testing.assert_allclose(-vec, -ref)
+    assert float(vec[1]) == 8.0 and float(out**2) == 144.0
+    reduced = mirrored8.extended.reduce_to("sum", jd.PerReplica(jnp.ones(8)), None)
+    assert isinstance(reduced, jd.Mirrored) and float(reduced + 1) == 9.0
 
 
 def test_per_replica_refuses_and_names_reduce(mirrored8: jd.MirroredStrategy) -> None:

@@ -1,5 +1,5 @@
-"""Reading a variable like an array: conversions and tf.Variable's operator
-overloads, each applied to the variable's value (`read_value`)."""
+"""Values that read like an array: conversions and TF's operator overloads, each applied to
+the array the value stands for (a variable's `read_value`, a `Mirrored` value's array)."""
 
 from __future__ import annotations
 
@@ -11,42 +11,44 @@ import numpy as np
 
 
 def _reading(op: Callable[[Any, Any], Any], reflected: bool = False) -> Callable[..., Any]:
-    """A binary operator method that applies ``op`` to the variable's value."""
+    """A binary operator method that applies ``op`` to the value's array."""
     if reflected:
-        return lambda self, other: op(other, self.read_value())
-    return lambda self, other: op(self.read_value(), other)
+        return lambda self, other: op(other, self._array_value())
+    return lambda self, other: op(self._array_value(), other)
 
 
 class ReadsLikeAnArray:
-    """Mixin for `jaxdist.Variable`: array conversions and arithmetic read the value."""
+    """Mixin for `jaxdist.Variable` and `jaxdist.Mirrored`: array conversions, arithmetic,
+    comparisons and indexing apply to the array the value stands for (`_array_value`)."""
 
     __slots__ = ()
 
-    def read_value(self) -> Any:
+    def _array_value(self) -> Any:
+        """The array the operators apply to (a variable's ``read_value()``)."""
         raise NotImplementedError
 
     def __jax_array__(self) -> Any:
-        return self.read_value()
+        return self._array_value()
 
     def __array__(self, dtype: Any = None, copy: bool | None = None) -> np.ndarray:
-        return np.asarray(self.read_value(), dtype=dtype)
+        return np.asarray(self._array_value(), dtype=dtype)
 
     def __float__(self) -> float:
-        return float(self.read_value())
+        return float(self._array_value())
 
     def __int__(self) -> int:
-        return int(self.read_value())
+        return int(self._array_value())
 
     def __complex__(self) -> complex:
-        return complex(self.read_value())
+        return complex(self._array_value())
 
     def __bool__(self) -> bool:
-        return bool(self.read_value())
+        return bool(self._array_value())
 
     def __index__(self) -> int:
-        return operator.index(self.read_value())
+        return operator.index(self._array_value())
 
-    # Arithmetic reads the value, as tf.Variable does -------------------------------
+    # Arithmetic reads the value, as tf.Variable and TF's Mirrored do ----------------
 
     __add__ = _reading(operator.add)
     __radd__ = _reading(operator.add, reflected=True)
@@ -69,7 +71,7 @@ class ReadsLikeAnArray:
     __getitem__ = _reading(operator.getitem)
 
     def __neg__(self) -> Any:
-        return -self.read_value()
+        return -self._array_value()
 
     def __abs__(self) -> Any:
-        return abs(self.read_value())
+        return abs(self._array_value())

@@ -285,8 +285,14 @@ class Strategy(DatasetMethods):
         """Calls ``fn(ctx, *args, **kwargs)`` once per replica and returns its outputs.
 
         `PerReplica` arguments are unwrapped (replica ``r`` sees row ``r``); all
-        other arguments are broadcast to every replica. Outputs that are the same
-        on every replica come back `Mirrored` (one replicated copy), the others
+        other arguments are broadcast to every replica, and gradients with respect
+        to them are per replica, as in TF. Pass what ``fn`` differentiates as an
+        argument: a value ``fn`` captures by closure is one value shared by the
+        replicas, and ``jax.grad`` with respect to it already sums over them
+        (all-reducing that again multiplies it by the number of replicas).
+
+        Outputs that are the same on every replica come back `Mirrored` (one
+        replicated copy), the others
         `PerReplica`, at the leaves of ``fn``'s output. "The same on every
         replica" is read from the computation, not only from JAX's types: results
         of ``ctx.all_reduce``, and anything computed from them and from broadcast

@@ -144,6 +144,26 @@ def test_grad_is_per_replica_and_mean_matches_single_device(strategy: jd.Strateg
     )
 
 
+def test_grad_of_a_captured_parameter_is_the_sum_over_replicas(
+    mirrored8: jd.MirroredStrategy,
+) -> None:
+    """What `run`'s docstring and the migration guide say: a parameter captured by closure
+    is one value for every replica, so its gradient is already summed (JAX's rule); passed
+    as an argument, each replica gets its own (TF's). References: NumPy."""
+    x = np.arange(1.0, 9.0, dtype=np.float32)
+    w = jnp.float32(2.0)
+
+    def captured(ctx, x):
+        return jax.grad(lambda w: w * x)(w)
+
+    def passed(ctx, w, x):
+        return jax.grad(lambda w: w * x)(w)
+
+    np.testing.assert_allclose(value(mirrored8.run(captured, args=(jd.PerReplica(x),))), x.sum())
+    own = mirrored8.run(passed, args=(w, jd.PerReplica(x)))
+    np.testing.assert_allclose(rows(own, mirrored8), x)
+
+
 def test_grad_through_all_reduce_and_all_gather(mirrored8: jd.MirroredStrategy) -> None:
     c = np.arange(1.0, 9.0, dtype=np.float32)
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 __all__ = [
     "CheckpointVerificationError",
     "DonatedArgumentError",
+    "OutOfRangeError",
     "ReplicaDivergenceError",
     "StrategyMixingError",
 ]
@@ -40,3 +41,9 @@ class ReplicaDivergenceError(ValueError):
     """Values that must be the same on every replica came back different: parameters or
     optimizer state after a train step updated them from per-replica values, or the
     update of a mirrored variable with aggregation ``NONE``."""
+
+
+class OutOfRangeError(StopIteration):
+    """The data ran out: ``get_next()`` of a distributed iterator at its end (TF's
+    ``tf.errors.OutOfRangeError``). A ``StopIteration``, so ``except StopIteration``
+    catches it too; ``next(iterator)`` and ``for`` loops end as usual."""

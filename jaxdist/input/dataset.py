@@ -45,6 +45,7 @@ import weakref
 from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
+from jaxdist.errors import OutOfRangeError
 from jaxdist.input.agreement import BLOCK, StepSync, agreed
 from jaxdist.input.batching import Batcher, HostBatch
 from jaxdist.input.group import PlacedGroup, stack_steps
@@ -326,8 +327,19 @@ class DistributedIterator:
         return item
 
     def get_next(self) -> Any:
-        """The next distributed batch; raises ``StopIteration`` at the end (as `next`)."""
-        return next(self)
+        """The next distributed batch.
+
+        Raises:
+            jaxdist.errors.OutOfRangeError: at the end, as TF's ``get_next`` (a
+                ``StopIteration``; `next` raises a plain one).
+        """
+        try:
+            return next(self)
+        except StopIteration:
+            raise OutOfRangeError(
+                "DistributedIterator.get_next: the end of the data (use "
+                "get_next_as_optional, or a for loop, to stop without an exception)."
+            ) from None
 
     def get_next_as_optional(self) -> OptionalValue:
         """The next batch wrapped in an `OptionalValue` (empty at the end)."""

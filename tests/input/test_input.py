@@ -189,6 +189,13 @@ def test_iterator_protocol_and_element_spec(mirrored8: jd.MirroredStrategy) -> N
         empty.get_value()
     with pytest.raises(StopIteration):
         next(it)
+    # TF's get_next ends with OutOfRangeError (a StopIteration here); next() stays plain.
+    with pytest.raises(jd.errors.OutOfRangeError, match=r"get_next: the end of the data"):
+        it.get_next()
+    assert issubclass(jd.errors.OutOfRangeError, StopIteration)
+    with pytest.raises(StopIteration) as plain:
+        next(it)
+    assert type(plain.value) is StopIteration
 
 
 def test_sources_lists_generators_dicts(mirrored8: jd.MirroredStrategy) -> None:

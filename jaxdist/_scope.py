@@ -76,10 +76,20 @@ def _mixing_error(where: str, current: StrategyLike, new: StrategyLike) -> Runti
 
 @contextlib.contextmanager
 def strategy_scope(strategy: StrategyLike) -> Iterator[StrategyLike]:
-    """Implements `Strategy.scope()` (private; use the method)."""
+    """Implements `Strategy.scope()` (private; use the method).
+
+    The default strategy's scope changes nothing but the depth, as in TF: it is entered in
+    the default replica context and stays there (``in_cross_replica_context()`` is False),
+    and another strategy's scope may be entered inside it; it cannot be entered inside
+    another strategy's scope.
+    """
     state = STATE.get()
     if state.strategy is not None and state.strategy != strategy:
         raise _mixing_error(f"{type(strategy).__name__}.scope()", state.strategy, strategy)
+    if _is_default(strategy):
+        with entered(dataclasses.replace(state, scope_depth=state.scope_depth + 1)):
+            yield strategy
+        return
     me = threading.get_ident()
     with _scopes_lock:
         _SCOPES_BY_THREAD.setdefault(me, []).append(strategy)

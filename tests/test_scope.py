@@ -48,6 +48,30 @@ def test_mixing_strategies_raises() -> None:
         pass
 
 
+def test_the_default_strategys_scope_stays_in_the_default_replica_context() -> None:
+    """As TF's default scope: no cross-replica context, the default replica context, no
+    strategy, and another strategy's scope may be entered inside it (it raised
+    StrategyMixingError); the default scope inside another strategy's still raises."""
+    default, s = jd.get_strategy(), jd.MirroredStrategy()
+    with default.scope() as entered:
+        assert entered is default and jd.get_strategy() is default
+        assert not jd.in_cross_replica_context() and not jd.has_strategy()
+        ctx = jd.get_replica_context()
+        assert ctx is not None and ctx.strategy is default
+        with s.scope():
+            assert jd.get_strategy() is s and jd.in_cross_replica_context()
+            with (
+                pytest.raises(RuntimeError, match=r"DefaultStrategy.scope\(\): mixing"),
+                default.scope(),
+            ):
+                pass
+        with default.scope():  # nests
+            assert not jd.in_cross_replica_context()
+        with pytest.raises(RuntimeError, match=r"experimental_set_strategy must be called outside"):
+            jd.experimental_set_strategy(s)
+    assert not jd.has_strategy()
+
+
 def test_replica_context_visible_while_tracing() -> None:
     s = jd.MirroredStrategy(jax.devices()[:2])
     seen = {}

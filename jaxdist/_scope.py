@@ -148,10 +148,13 @@ def replica_scope(ctx: ReplicaContextLike) -> Iterator[None]:
 
 
 def check_cross_replica(strategy: StrategyLike, method: str) -> None:
-    """Raises `RuntimeError` when a cross-replica method is called from replica context."""
+    """Raises `RuntimeError` when a cross-replica method is called from replica context,
+    or (`StrategyMixingError`, as TF) while another strategy is in effect."""
     state = STATE.get()
+    name = type(strategy).__name__
+    if state.strategy is not None and state.strategy != strategy:
+        raise _mixing_error(f"{name}.{method}", state.strategy, strategy)
     if state.replica is not None and not state.merging:
-        name = type(strategy).__name__
         raise RuntimeError(
             f"{name}.{method} was called inside a replica function, where only the replica "
             f"context's collectives apply. Inside the function use ctx.all_reduce / "

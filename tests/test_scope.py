@@ -46,6 +46,22 @@ def test_mixing_strategies_raises() -> None:
         b.scope(),
     ):
         pass
+    # As TF ("Mixing different tf.distribute.Strategy objects"): b's cross-replica methods
+    # inside a's scope raise (they computed silently); a's own still work.
+    one = jd.PerReplica(jax.numpy.ones((1, 2)))
+    with a.scope():
+        for method, call in {
+            "reduce": lambda: b.reduce("sum", one, axis=None),
+            "gather": lambda: b.gather(one, axis=0),
+            "extended.reduce_to": lambda: b.extended.reduce_to("sum", one, None),
+            "extended.broadcast_to": lambda: b.extended.broadcast_to(1.0, None),
+        }.items():
+            with pytest.raises(
+                jd.errors.StrategyMixingError,
+                match=rf"OneDeviceStrategy.{method}: mixing different strategies",
+            ):
+                call()
+        assert float(a.reduce("sum", 1.0 * 0, axis=None)) == 0.0
 
 
 def test_the_default_strategys_scope_stays_in_the_default_replica_context() -> None:

@@ -21,12 +21,14 @@ orbax-checkpoint is needed for the files (``pip install 'jaxdist[checkpoint]'``)
 from jaxdist.checkpoint._arrays import from_saveable, to_saveable
 from jaxdist.checkpoint._checkpoint import Checkpoint
 from jaxdist.checkpoint._manager import CheckpointManager
+from jaxdist.checkpoint._status import LoadStatus
 from jaxdist.checkpoint._storage import MANIFEST, restore, save
 
 __all__ = [
     "MANIFEST",
     "Checkpoint",
     "CheckpointManager",
+    "LoadStatus",
     "from_saveable",
     "restore",
     "save",

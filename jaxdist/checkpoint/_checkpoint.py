@@ -33,6 +33,7 @@ import numpy as np
 
 from jaxdist.checkpoint import _arrays, _files, _items, _storage
 from jaxdist.checkpoint._finite import refuse_nonfinite
+from jaxdist.checkpoint._status import LoadStatus
 
 __all__ = [
     "Checkpoint",
@@ -197,7 +198,7 @@ class Checkpoint:
 
     # Restoring --------------------------------------------------------------------------
 
-    def restore(self, save_path: str | os.PathLike[str] | None) -> None:
+    def restore(self, save_path: str | os.PathLike[str] | None) -> LoadStatus:
         """Restores every item, and `save_counter`, from a checkpoint directory.
 
         NNX objects and iterators are updated in place; pytree items are
@@ -205,8 +206,12 @@ class Checkpoint:
         changes unless every item matches and every checksum verifies.
         ``save_path=None`` does nothing (TF's behaviour, so that
         ``ckpt.restore(manager.latest_checkpoint)`` starts fresh when there is
-        no checkpoint yet). Unlike TF's, it returns no status object: a restore
-        is all or nothing, so there is no partial match to assert on.
+        no checkpoint yet).
+
+        Returns:
+            A `LoadStatus`, as TF's (``.expect_partial()``, ``.assert_consumed()``):
+            a restore is all or nothing, so its assertions hold once it returned,
+            and raise ``AssertionError`` after ``save_path=None``.
 
         Raises:
             FileNotFoundError: ``save_path`` is not a checkpoint directory.
@@ -214,15 +219,16 @@ class Checkpoint:
                 (names or kinds), a checksum does not verify, or an item does
                 not fit (shapes, dtypes, structure: see `jaxdist.checkpoint`).
         """
-        if save_path is not None:
-            self._read("jaxdist.checkpoint.Checkpoint.restore", save_path, counter=True)
+        if save_path is None:
+            return LoadStatus(None)
+        return self._read("jaxdist.checkpoint.Checkpoint.restore", save_path, counter=True)
 
-    def read(self, save_path: str | os.PathLike[str]) -> None:
+    def read(self, save_path: str | os.PathLike[str]) -> LoadStatus:
         """Restores the items like `restore`, but leaves `save_counter` as it is (TF's
-        ``read``, for checkpoints written with `write`)."""
-        self._read("jaxdist.checkpoint.Checkpoint.read", save_path, counter=False)
+        ``read``, for checkpoints written with `write`); returns a `LoadStatus`."""
+        return self._read("jaxdist.checkpoint.Checkpoint.read", save_path, counter=False)
 
-    def _read(self, where: str, save_path: str | os.PathLike[str], counter: bool) -> None:
+    def _read(self, where: str, save_path: str | os.PathLike[str], counter: bool) -> LoadStatus:
         path = os.path.abspath(os.fspath(save_path))
         if not os.path.isdir(path):
             raise FileNotFoundError(f"{where}: no checkpoint directory {path}.")
@@ -253,6 +259,7 @@ class Checkpoint:
             self._items[name] = _items.put_back(self._items[name], kinds[name], tree)
         if counter:
             object.__setattr__(self, "_save_counter", int(restored["save_counter"]))
+        return LoadStatus(path)
 
 
 def take_snapshot(

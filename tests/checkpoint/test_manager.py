@@ -163,12 +163,19 @@ def test_checkpoint_save_write_read_restore(tmp_path: Path) -> None:
     assert ckpt.save_counter == 2
     written = ckpt.write(tmp_path / "exact")
     assert written == str(tmp_path / "exact") and ckpt.save_counter == 2
-    ckpt.restore(first)
+    status = ckpt.restore(first)
     assert ckpt.w.tolist() == [0.0, 1.0, 2.0] and ckpt.save_counter == 1
-    ckpt.read(second)  # read leaves the counter alone
+    # TF's load status and its idioms: all or nothing, so the assertions hold.
+    assert status.assert_consumed() is status and status.expect_partial() is status
+    assert status.assert_existing_objects_matched().assert_nontrivial_match() is status
+    assert status.save_path == first
+    ckpt.read(second).assert_consumed()  # read leaves the counter alone
     assert ckpt.w.tolist() == [0.0, 2.0, 4.0] and ckpt.save_counter == 1
-    ckpt.restore(None)  # TF: nothing to restore yet
-    assert ckpt.w.tolist() == [0.0, 2.0, 4.0]
+    nothing = ckpt.restore(None).expect_partial()  # TF: nothing to restore yet
+    assert ckpt.w.tolist() == [0.0, 2.0, 4.0] and nothing.save_path is None
+    for method in ("assert_consumed", "assert_existing_objects_matched", "assert_nontrivial_match"):
+        with pytest.raises(AssertionError, match=rf"LoadStatus.{method}: no checkpoint was given"):
+            getattr(nothing, method)()
     # write replaces a directory there
     ckpt.w = jnp.ones(3)
     ckpt.write(tmp_path / "exact")

@@ -53,7 +53,7 @@ __all__ = ["CheckpointManager"]
 
 STATE = "jaxdist_checkpoints.json"
 _FORMAT = "jaxdist-checkpoint-manager"
-_CHECKPOINT_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.]*$")
+_CHECKPOINT_NAME = re.compile(r"^[^./\\\x00][^/\\\x00]*$")  # a file name, not hidden
 
 
 class CheckpointManager:
@@ -140,8 +140,8 @@ class CheckpointManager:
             )
         if not isinstance(checkpoint_name, str) or not _CHECKPOINT_NAME.match(checkpoint_name):
             raise ValueError(
-                f"{where}: checkpoint_name must be letters, digits, '_' and '.', got "
-                f"{checkpoint_name!r}."
+                f"{where}: checkpoint_name must be a file name (not empty, no '/' or '\\', "
+                f"not starting with '.'), got {checkpoint_name!r}."
             )
         if init_fn is not None and not callable(init_fn):
             raise TypeError(f"{where}: init_fn must be callable, got {type(init_fn).__name__}.")

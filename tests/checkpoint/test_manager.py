@@ -263,6 +263,18 @@ def test_max_to_keep_none_keeps_all_and_names_are_custom(tmp_path: Path) -> None
     for _ in range(5):
         manager.save()
     assert _names(manager.checkpoints) == [f"model-{i}" for i in range(1, 6)]
+    # Any file name, as TF takes (a '-' was refused).
+    where, ckpt = tmp_path / "dashed", jd.checkpoint.Checkpoint(x=jnp.zeros(1))
+    dashed = jd.checkpoint.CheckpointManager(ckpt, where, max_to_keep=2, checkpoint_name="my-m")
+    for _ in range(3):
+        dashed.save()
+    assert _names(dashed.checkpoints) == ["my-m-2", "my-m-3"]
+    dashed.close()
+    again = jd.checkpoint.CheckpointManager(ckpt, where, max_to_keep=2, checkpoint_name="my-m")
+    assert _names([again.latest_checkpoint]) == ["my-m-3"] and len(os.listdir(where)) == 3
+    for bad in ("", ".hidden", "a/b"):
+        with pytest.raises(ValueError, match=r"checkpoint_name must be a file name .* got"):
+            jd.checkpoint.CheckpointManager(ckpt, tmp_path / "x", checkpoint_name=bad)
     with pytest.raises(ValueError, match=r"max_to_keep must be a positive int or None"):
         jd.checkpoint.CheckpointManager(ckpt, tmp_path, max_to_keep=0)
     with pytest.raises(TypeError, match=r"checkpoint must be a jaxdist.checkpoint.Checkpoint"):

@@ -181,7 +181,7 @@ class TFConfigClusterResolver(ClusterResolver):
         Args:
             task_type: overrides this task's type.
             task_id: overrides this task's index.
-            rpc_layer: overrides the protocol prefix.
+            rpc_layer: overrides the protocol prefix (``""``: none).
 
         Returns:
             The address, prefixed with ``rpc_layer://`` when there is one.
@@ -193,7 +193,8 @@ class TFConfigClusterResolver(ClusterResolver):
         if session_master is not None:
             return str(session_master)
         spec = self.cluster_spec()
-        if not spec.jobs or (len(spec.jobs) == 1 and spec.num_tasks(spec.jobs[0]) == 1):
+        # TF counts the task list's length, so a sparse job's one task at index > 0 has one.
+        if not spec.jobs or (len(spec.jobs) == 1 and len(spec.job_tasks(spec.jobs[0])) == 1):
             return ""
         task_type = task_type if task_type is not None else self.task_type
         task_id = task_id if task_id is not None else self.task_id
@@ -203,4 +204,5 @@ class TFConfigClusterResolver(ClusterResolver):
                 f"{task_type!r}, task_id={task_id!r}); pass task_type and task_id, or add "
                 f'"task": {{"type": ..., "index": ...}} to {TF_CONFIG}.'
             )
-        return format_master_url(spec.task_address(task_type, task_id), rpc_layer or self.rpc_layer)
+        rpc_layer = rpc_layer if rpc_layer is not None else self.rpc_layer  # "" means none
+        return format_master_url(spec.task_address(task_type, task_id), rpc_layer)

@@ -404,6 +404,12 @@ def test_tf_config_reads_cluster_task_and_master(monkeypatch: pytest.MonkeyPatch
     assert r.master() == "sessionmaster:2222"  # re-read on each call
     set_tf_config(monkeypatch, {**TF_PS_WORKER, "rpc_layer": "grpc", "environment": "cloud"})
     assert (r.master(), r.rpc_layer) == ("grpc://ps0:2222", "grpc")
+    assert r.master(rpc_layer="") == "ps0:2222"  # TF: an explicit "" means no prefix
+    # TF counts the task list: a sparse job's one task at index 1 is [None, "b:1"], two.
+    set_tf_config(
+        monkeypatch, {"cluster": {"worker": {"1": "b:1"}}, "task": {"type": "worker", "index": 1}}
+    )
+    assert TFConfigClusterResolver().master() == "b:1"
 
 
 def test_tf_config_environment_is_the_constructors(monkeypatch: pytest.MonkeyPatch) -> None:

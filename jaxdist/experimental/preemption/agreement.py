@@ -13,8 +13,10 @@ guessed ``max(steps) + k`` past the end of the data. The processes run the
 same calls, each of the same steps, so at the agreed call the step count is
 the same in every process; that is what is saved as ``total_run_calls``.
 
-One process (`LocalAgreement`): its own notice decides, and it saves at the
-start of the next call.
+One process (`LocalAgreement`): its own notice decides. In a loop of ``run``
+calls the handler lets the call that starts after the notice run and saves at
+the start of the one after it, TF's local mode (the same call as ``max(c) + 1``
+below); in `jaxdist.fit` it saves after the step that saw the notice.
 
 Several processes (`KeyValueAgreement`, through the ``jax.distributed``
 coordination service's key-value store):

@@ -132,7 +132,8 @@ class PreemptionCheckpointHandler:
       job saves at the start of the same `run` call (before its function
       runs, as TF's handler does), then calls ``exit_fn``.
 
-    One process saves at the start of the first call after the notice.
+    One process, as TF's handler alone: the call that starts after the notice
+    runs, and the save is at the start of the call after it.
     Several agree through the ``jax.distributed`` key-value store: a process
     with a notice publishes how many `run` calls it made, every process looks
     for such counts after each call (one non-blocking request) and publishes
@@ -438,17 +439,25 @@ class PreemptionCheckpointHandler:
             self._after_call()
 
     def _before_call(self) -> None:
-        """The start of a run() call: the save agreed on (or, in one process, a notice
-        received) happens here, before the call, as in TF: the checkpoint then holds what
-        the loop rebound after the previous call (``ckpt.state = handler.run(...)``)."""
+        """The start of a run() call: the save agreed on happens here, before the call, as
+        in TF: the checkpoint then holds what the loop rebound after the previous call
+        (``ckpt.state = handler.run(...)``). In one process, as TF's local mode: the call
+        that starts after a notice (or the grace period's end) runs, and the save is at the
+        start of the call after it, so a job of one process and one of several save after
+        the same call (several: `agreement`, ``max(c) + 1``)."""
         assert self._checkpoint is not None
         if self._calls == 1 and not self._items_checked:
             # The second call: a loop that never rebinds the checkpoint's state shows here.
             self._items_checked = True
             refuse_deleted(f"{_WHERE}.run", self._checkpoint, _REBIND)
-        if self._save_due or (self._agreement.process_count == 1 and self._round_begun()):
+        if self._save_due:
             self._save_due = False
             self._save_and_exit()
+        elif self._agreement.process_count == 1 and self._round_begun():
+            if self._target is None:
+                self._target = self._calls + 1  # this call runs; TF: run_counter + 1
+            elif self._calls >= self._target:
+                self._save_and_exit()
 
     @contextlib.contextmanager
     def watch_preemption_scope(self) -> Iterator[None]:

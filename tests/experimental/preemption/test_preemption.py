@@ -308,7 +308,9 @@ _CHAINED = textwrap.dedent(
     os.kill(os.getpid(), signal.SIGTERM)
     time.sleep(0.1)  # the Python handler runs between bytecodes of the main thread
     handler.run(step)
-    print(json.dumps({"calls": calls, "exits": exits, "w": ckpt.w.tolist()}))
+    after_4 = list(exits)
+    handler.run(step)
+    print(json.dumps({"calls": calls, "exits": exits, "after_4": after_4, "w": ckpt.w.tolist()}))
     """
 )
 
@@ -317,11 +319,13 @@ _CHAINED = textwrap.dedent(
 def test_sigterm_saves_before_the_next_step_and_calls_the_previous_handler(
     tmp_path: Path,
 ) -> None:
-    # The SIGTERM came after 3 steps: the 4th call saves them first (TF's moment), then runs
-    # its step once exit_fn returned.
+    # The SIGTERM came after 3 steps. As TF's local mode (step to save at = run_counter + 1):
+    # the 4th call runs, the 5th saves the 4 steps first, then runs its step once exit_fn
+    # returned.
     out = run_python(_CHAINED, str(tmp_path), devices=1)
-    assert out == {"calls": [signal.SIGTERM], "exits": [3], "w": [4.0, 4.0]}
-    assert _saved(tmp_path, size=2) == (3, [3.0, 3.0])
+    want = {"calls": [signal.SIGTERM], "exits": [4], "after_4": [], "w": [5.0, 5.0]}
+    assert out == want
+    assert _saved(tmp_path, size=2) == (4, [4.0, 4.0])
 
 
 # Several processes: the agreement ------------------------------------------------------------

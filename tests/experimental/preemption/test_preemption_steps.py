@@ -122,22 +122,24 @@ def test_a_save_during_a_grouped_run_is_at_a_group_boundary_and_resumes_bitwise(
     assert handler.total_run_calls == K
     notice.set()
     time.sleep(4 * handler_module.WATCH_INTERVAL_S)  # the watcher has seen it
+    handler.run(training.step)  # steps 5-8: TF's local mode runs the call after the notice
+    assert handler.total_run_calls == 2 * K
     with pytest.raises(SystemExit) as exit_info:  # the default exit_fn: sys.exit(42)
-        handler.run(training.step)  # the save, before steps 5-8 (TF's moment)
+        handler.run(training.step)  # the save, before steps 9-11 (TF's moment)
     assert exit_info.value.code == handler_module.RESTART_EXIT_CODE
-    assert handler.total_run_calls == K  # steps, at the end of the first call
+    assert handler.total_run_calls == 2 * K  # steps, at the end of the second call
 
     restarted = _Training(jd.MirroredStrategy())
     again = _handler(restarted, tmp_path / "run", termination_watcher_fn=lambda: False)
     assert again.restored_from is not None
-    assert again.total_run_calls == K and restarted.ckpt.total_run_calls == K
-    assert restarted.run_to_end(again) == 2  # the remaining 4 + 3 steps
+    assert again.total_run_calls == 2 * K and restarted.ckpt.total_run_calls == 2 * K
+    assert restarted.run_to_end(again) == 1  # the remaining 3 steps
     assert again.total_run_calls == BATCHES
     np.testing.assert_array_equal(restarted.weights(), expected)  # bitwise
     np.testing.assert_allclose(restarted.weights(), _reference(), **REF)
 
 
-def test_a_notice_before_the_short_last_group_saves_before_it(tmp_path: Path) -> None:
+def test_a_notice_saves_after_the_next_call_before_the_short_last_group(tmp_path: Path) -> None:
     notice, exits = threading.Event(), []
 
     def exit_fn() -> None:  # returns: training goes on
@@ -147,10 +149,11 @@ def test_a_notice_before_the_short_last_group_saves_before_it(tmp_path: Path) ->
     training = _Training(jd.MirroredStrategy())
     handler = _handler(training, tmp_path, termination_watcher_fn=notice.is_set, exit_fn=exit_fn)
     handler.run(training.step)
-    handler.run(training.step)
-    after_two = training.weights()
     notice.set()
     time.sleep(4 * handler_module.WATCH_INTERVAL_S)
+    handler.run(training.step)  # the call that starts after the notice runs (TF)
+    after_two = training.weights()
+    assert exits == []
     assert training.run_to_end(handler) == 1  # the short group ran after the save
     assert exits == [2 * K]  # saved at the start of the third call: 8 steps
     fresh = _Training(jd.MirroredStrategy())
@@ -313,13 +316,13 @@ def test_tf_habit_rebinding_after_run_is_saved_and_resumes_bitwise(tmp_path: Pat
     assert _tf_loop(training, handler, calls=5) == 5
     notice.set()
     time.sleep(4 * handler_module.WATCH_INTERVAL_S)
-    with pytest.raises(SystemExit):  # the sixth call saves first: 5 steps, batch 6 not used
-        _tf_loop(training, handler)
+    with pytest.raises(SystemExit):  # the sixth call runs (TF), the seventh saves 6 steps
+        _tf_loop(training, handler)  # first, and batch 7 is not used
     restarted = _Training(jd.MirroredStrategy())
     again = _handler(restarted, tmp_path / "run", termination_watcher_fn=lambda: False)
-    assert again.total_run_calls == 5
-    # The position saved is the end of the fifth call, not past the batch taken for the sixth.
-    assert _tf_loop(restarted, again) == BATCHES - 5
+    assert again.total_run_calls == 6
+    # The position saved is the end of the sixth call, not past the batch taken for the 7th.
+    assert _tf_loop(restarted, again) == BATCHES - 6
     np.testing.assert_array_equal(restarted.weights(), reference.weights())  # bitwise
     np.testing.assert_allclose(restarted.weights(), _reference(), **REF)
 

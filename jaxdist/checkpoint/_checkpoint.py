@@ -115,7 +115,7 @@ class Checkpoint:
         >>> path.endswith("ckpt-1"), ckpt.save_counter
         (True, 1)
         >>> ckpt.w = jnp.zeros(3)
-        >>> ckpt.restore(path)
+        >>> status = ckpt.restore(path).assert_consumed()  # TF's load status
         >>> ckpt.w.tolist()
         [1.0, 1.0, 1.0]
     """

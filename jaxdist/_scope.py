@@ -86,6 +86,12 @@ def strategy_scope(strategy: StrategyLike) -> Iterator[StrategyLike]:
     state = STATE.get()
     if state.strategy is not None and state.strategy != strategy:
         raise _mixing_error(f"{type(strategy).__name__}.scope()", state.strategy, strategy)
+    if state.replica is not None and not state.merging:  # TF: cross-replica context only
+        raise RuntimeError(
+            f"{type(strategy).__name__}.scope() was entered inside a replica function; a "
+            "scope is cross-replica context (as in TF). Enter it around the code that calls "
+            "run (create variables and models there), or in a merge_fn."
+        )
     if _is_default(strategy):
         with entered(dataclasses.replace(state, scope_depth=state.scope_depth + 1)):
             yield strategy

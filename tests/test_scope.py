@@ -88,6 +88,23 @@ def test_the_default_strategys_scope_stays_in_the_default_replica_context() -> N
     assert not jd.has_strategy()
 
 
+def test_a_scope_inside_a_replica_function_is_refused(mirrored8: jd.MirroredStrategy) -> None:
+    """TF: a scope needs cross-replica context (it entered silently); a merge_fn may."""
+
+    def fn(ctx: jd.ReplicaContext) -> float:
+        with mirrored8.scope():
+            return 1.0
+
+    with pytest.raises(RuntimeError, match=r"MirroredStrategy.scope\(\) was entered inside a"):
+        mirrored8.run(fn)
+
+    def merge_fn(strategy: jd.Strategy) -> float:
+        with strategy.scope():
+            return 1.0
+
+    assert float(mirrored8.run(lambda ctx: ctx.merge_call(merge_fn))) == 1.0
+
+
 def test_replica_context_visible_while_tracing() -> None:
     s = jd.MirroredStrategy(jax.devices()[:2])
     seen = {}

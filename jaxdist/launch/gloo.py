@@ -51,11 +51,8 @@ class GlooFilter:
         self.owed_numbers = 0  # ranks and counts not yet seen after their words
         self.owed_newlines = 0  # newlines not yet seen of lines begun by "[Gloo] Rank "
         self.owed_last = False  # the count after "Expected number ... is : " not yet seen
-        self.held: bytes | None = (
-            None  # a line kept back until the next shows whose its last digits are
-        )
+        self.held: bytes | None = None  # a line kept back until the next one comes
         self._quiet = 0  # lines since the last Gloo word
-        self._had_words = False  # whether the last line held a Gloo word
 
     def whole_lines(self, data: bytes) -> bytes:
         """``data`` without its connection lines written whole (the first pass, per read)."""
@@ -84,9 +81,9 @@ class GlooFilter:
                 held = self._drop_number_at_end(held, _kind(first[1]) != "to")
                 self.owed_numbers -= 1
             out.append(held)
-        kept = self._line(line)
+        kept, had_words = self._line(line)
         if kept is not None:
-            if self._had_words and self.owed_numbers and kept[-1:].isdigit():
+            if had_words and self.owed_numbers and kept[-1:].isdigit():
                 self.held = kept
             else:
                 out.append(kept)
@@ -97,10 +94,10 @@ class GlooFilter:
         held, self.held = self.held, None
         return [] if held is None else [held]
 
-    def _line(self, line: bytes) -> bytes | None:
-        """``line`` without Gloo's pieces; None where nothing of the program's is left."""
+    def _line(self, line: bytes) -> tuple[bytes | None, bool]:
+        """``line`` without Gloo's pieces (None where nothing of the program's is left), and
+        whether it held a Gloo word."""
         parts = WORDS.split(line)
-        self._had_words = len(parts) > 1
         if len(parts) == 1:
             self._quiet += 1
             if self._quiet > _FORGET_AFTER:
@@ -109,11 +106,11 @@ class GlooFilter:
             if self.owed_last and line.isdigit() and line == (self.peers or line):
                 self.owed_last = False  # the last count, then Gloo's newline
                 self._paid_newline()
-                return None
+                return None, False
             if not line and self.owed_newlines:  # Gloo's newline, after a line of the program
                 self._paid_newline()
-                return None
-            return line
+                return None, False
+            return line, False
         self._quiet = 0
         kept = [parts[0]]
         for word, text in zip(parts[1::2], parts[2::2], strict=True):
@@ -136,9 +133,9 @@ class GlooFilter:
         if self.owed_last and self.peers and out.endswith(self.peers):
             out, self.owed_last = out[: -len(self.peers)], False
         if out.strip():
-            return out
+            return out, True
         self._paid_newline()  # this line's newline was Gloo's
-        return None
+        return None, True
 
     def _paid_newline(self) -> None:
         self.owed_newlines = max(0, self.owed_newlines - 1)

@@ -135,9 +135,6 @@ class _CopyView(ReadsLikeAnArray):
         """Same as `read_value`."""
         return self._value
 
-    def _array_value(self) -> Any:  # what operators and conversions read
-        return self.read_value()
-
     def _coerce(self, value: Any, method: str) -> Any:
         where = f"StrategyExtended.update: {method} on the copy of variable {self._var.name!r}"
         if isinstance(value, (_CopyView, Variable)):

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -23,9 +23,14 @@ class ReadsLikeAnArray:
 
     __slots__ = ()
 
+    if TYPE_CHECKING:
+
+        def read_value(self) -> Any: ...
+
     def _array_value(self) -> Any:
-        """The array the operators apply to (a variable's ``read_value()``)."""
-        raise NotImplementedError
+        """The array the operators apply to: ``read_value()`` (a variable's value);
+        `jaxdist.Mirrored`, which has no ``read_value``, returns its array."""
+        return self.read_value()
 
     def __jax_array__(self) -> Any:
         return self._array_value()

@@ -357,9 +357,6 @@ class Variable(ReadsLikeAnArray):
         """Same as `read_value` (tf.Variable's name)."""
         return self.read_value()
 
-    def _array_value(self) -> Any:  # what operators and conversions read
-        return self.read_value()
-
     def numpy(self) -> np.ndarray:
         return np.asarray(self.read_value())
 
